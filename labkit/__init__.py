@@ -21,6 +21,6 @@ __all__ = [
 
 def __getattr__(name):
     if name == "widgets":                 # ipywidgets is heavy and optional: import on first use
-        from . import widgets
-        return widgets
+        import importlib
+        return importlib.import_module(".widgets", __name__)
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")

@@ -5,7 +5,7 @@ from .device import device, has, report, size
 from .estimate import Estimate, estimate, kv_cache_bytes, param_count
 from .guard import budget, free, oom_guard, requires
 from .memory import CATEGORIES, track
-from .record import record
+from .records import record
 from .units import GiB, KiB, MiB, fmt_bytes, parse_bytes
 
 __all__ = [

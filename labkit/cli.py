@@ -110,7 +110,7 @@ def workbook(folder=NOTEBOOKS, build=BUILD):
     from nbclient import NotebookClient
     from nbconvert import HTMLExporter
     from .device import size
-    from .record import RECORDS_DIR
+    from .records import RECORDS_DIR
     executed_dir, html_dir = pathlib.Path(build) / "executed", pathlib.Path(build) / "html"
     executed_dir.mkdir(parents=True, exist_ok=True)
     html_dir.mkdir(parents=True, exist_ok=True)

@@ -41,9 +41,10 @@ class Tracker(TorchDispatchMode):
     def __init__(self, *objs, budget=None, device=None):
         super().__init__()
         self.budget = None if budget is None else parse_bytes(budget, "budget")
-        if device is not None and torch.device(device).type not in ("cpu", "cuda", "meta", "mps", "xpu"):
-            raise ValueError(f"device must be a device type like 'cpu' or 'cuda', got {device!r}")
-        self.device = None if device is None else torch.device(device).type
+        kind = str(device).split(":")[0] if device is not None else None
+        if kind not in (None, "cpu", "cuda", "meta", "mps", "xpu"):
+            raise ValueError(f"device must be a device type like 'cpu', 'cuda' or 'meta', got {device!r}")
+        self.device = kind
         self._objs = objs
         self._serial = itertools.count()
         self._live = {}        # id(storage) -> [serial, nbytes, finalizer]

@@ -1,0 +1,99 @@
+"""The repository's own rules: stripped notebooks, the notebook contract, agreeing dependency lists."""
+import json
+import pathlib
+import re
+import tomllib
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+SECTIONS = ["## Why", "## Baseline", "## The technique", "## Correctness", "## Measured effect", "## Plot",
+            "## Summary", "## Exercises"]
+
+
+def cells(path, kind=None):
+    nb = json.loads(path.read_text())
+    return [c for c in nb["cells"] if kind is None or c["cell_type"] == kind]
+
+
+def source(cell):
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+def test_there_are_notebooks():
+    assert [p.name for p in NOTEBOOKS][:2] == ["00_start_here.ipynb", "01_memory_anatomy.ipynb"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_outputs_stripped(path):
+    for c in cells(path, "code"):
+        assert not c.get("outputs") and c.get("execution_count") is None, f"{path.name}: strip outputs"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_contract_sections_in_order(path):
+    md = [source(c) for c in cells(path, "markdown")]
+    assert md[0].startswith("# ") and "You will learn" in md[0]
+    headings = [line for text in md for line in text.splitlines() if line.startswith("## ")]
+    found = [next((i for i, h in enumerate(headings) if h.startswith(s)), None) for s in SECTIONS]
+    assert None not in found, f"{path.name} lacks {[s for s, i in zip(SECTIONS, found) if i is None]}"
+    assert found == sorted(found), f"{path.name}: sections out of order"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_parameters_cell_metadata_and_record(path):
+    nb = json.loads(path.read_text())
+    code = cells(path, "code")
+    assert "parameters" in code[0].get("metadata", {}).get("tags", [])
+    assert "lk.size()" in source(code[0])
+    meta = nb["metadata"]["labkit"]
+    assert {"minutes_tiny", "minutes_full", "requires", "optional"} <= set(meta)
+    assert meta["minutes_tiny"] <= 1.5, "a notebook runs in at most 90 s at tiny size"
+    assert any(f'lk.record("{path.stem}"' in source(c) for c in code)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_solution_has_a_check(path):
+    code = [source(c) for c in cells(path, "code")]
+    solutions = [i for i, s in enumerate(code) if "### BEGIN SOLUTION" in s]
+    assert solutions, f"{path.name} has no exercises"
+    for i in solutions:
+        assert "### END SOLUTION" in code[i]
+        assert i + 1 < len(code) and "assert" in code[i + 1], f"{path.name}: a check cell follows each solution"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_measured_figures_typed_into_markdown(path):
+    # Our measurements print in binary units and milliseconds; published figures are quoted in GB.
+    for c in cells(path, "markdown"):
+        hits = re.findall(r"\d[\d.,]*\s*(?:GiB|MiB|KiB|ms)\b", source(c))
+        assert not hits, f"{path.name}: {hits} typed into markdown; print them from a cell"
+
+
+def test_readme_lists_every_notebook_with_its_minutes():
+    readme = (ROOT / "README.md").read_text()
+    for path in NOTEBOOKS:
+        meta = json.loads(path.read_text())["metadata"]["labkit"]
+        row = next((l for l in readme.splitlines() if path.name in l), None)
+        assert row, f"README's notebook map lacks {path.name}"
+        assert f"| {meta['minutes_tiny']} |" in row and f"| {meta['minutes_full']} |" in row, row
+
+
+def test_environment_yml_agrees_with_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = set(project["dependencies"])
+    for extra, deps in project["optional-dependencies"].items():
+        wanted |= {d for d in deps if not d.startswith("labkit")}
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert set(pip) - {"-e ."} == wanted
+    assert pip[0] == "torch==2.13.0", "torch first, pinned"
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "make test" in ci and "make test" in (ROOT / "README.md").read_text()
+    commands = [l for l in ci.splitlines() if l.strip() and not l.startswith("#")]
+    assert commands[-1].strip() == "make test"

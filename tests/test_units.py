@@ -1,0 +1,23 @@
+import pytest
+
+from labkit.units import GiB, MiB, fmt_bytes, parse_bytes
+
+
+@pytest.mark.parametrize("text, expected", [("64 MiB", 64 * MiB), ("2GiB", 2 * GiB), ("1.5 GB", 1_500_000_000),
+                                            ("512", 512), (1024, 1024), ("3 kib", 3072)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad, error", [("lots", ValueError), ("-1 GiB", ValueError), (0, ValueError),
+                                        (None, TypeError), (True, TypeError), ("2 parsecs", ValueError)])
+def test_parse_bytes_bad_input_names_argument(bad, error):
+    with pytest.raises(error, match="budget"):
+        parse_bytes(bad, "budget")
+
+
+def test_fmt_bytes():
+    assert fmt_bytes(1536) == "1.50 KiB"
+    assert fmt_bytes(3 * GiB) == "3.00 GiB"
+    assert fmt_bytes(12) == "12 B"
+    assert fmt_bytes(-2 * MiB) == "-2.00 MiB"

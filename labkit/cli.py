@@ -83,6 +83,8 @@ def _figure(key, value):
         return f"{value:.3g} s"
     if key.endswith("_ratio"):
         return f"{value:.3g}x"
+    if key.endswith("_gap"):
+        return f"{value:+.2%}"
     return f"{value:.4g}" if isinstance(value, float) else f"{value:,}"
 
 

@@ -149,8 +149,9 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
         parts["gradients"] = P * e
         state = {"sgd": 0, "sgd-momentum": e, "adam": 2 * e, "adamw": 2 * e, "adamw-8bit": 2 + 8 / 256, None: 0}
         parts["optimizer"] = int(P * state[optimizer])
-        if dtype == "mixed":
-            parts["optimizer"] = P * (4 + (8 if optimizer in ("adam", "adamw") else 4 * (state[optimizer] > 0)))
+        if dtype == "mixed":       # fp32 master weights (4) + the optimizer's state kept in fp32
+            fp32_state = {"sgd": 0, "sgd-momentum": 4, "adam": 8, "adamw": 8, "adamw-8bit": 2 + 8 / 256, None: 0}
+            parts["optimizer"] = int(P * (4 + fp32_state[optimizer]))
         per_layer = activation_bytes_per_token(config, seq, dtype, recompute)
         head = (4 * s["h"] + 2 * e * s["h"] + (e + 4) * s["V"]) if s["family"] == "llama" else 0
         parts["activations"] = int(tokens * (s["L"] * per_layer + head))

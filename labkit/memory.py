@@ -23,7 +23,7 @@ __all__ = ["CATEGORIES", "track", "Tracker"]
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "kv_cache", "other")
 
 
-def track(*objs, budget=None, device=None):
+def track(*objs, budget=None, device=None, snapshot=None):
     """Context manager: peak and timeline of live tensor bytes, by category.
 
     objs: modules, optimizers, tensors (or lists/dicts of them) that already exist; their memory is
@@ -31,15 +31,18 @@ def track(*objs, budget=None, device=None):
     state). Tensors made inside the block are counted as they are created.
     budget: bytes or "2 GiB"; past it an op raises `torch.OutOfMemoryError` (what `lk.budget` uses).
     device: count only tensors on this device type ("cpu", "cuda", "meta"); default: all.
+    snapshot: on CUDA, a file to write the allocator's memory snapshot to (open it with
+    https://pytorch.org/memory_viz); ignored elsewhere.
     """
-    return Tracker(*objs, budget=budget, device=device)
+    return Tracker(*objs, budget=budget, device=device, snapshot=snapshot)
 
 
 class Tracker(TorchDispatchMode):
     """The report of `track()`: `peak`, `peak_parts`, `max_parts`, `timeline`, `live`, `marks`."""
 
-    def __init__(self, *objs, budget=None, device=None):
+    def __init__(self, *objs, budget=None, device=None, snapshot=None):
         super().__init__()
+        self.snapshot = snapshot
         self.budget = None if budget is None else parse_bytes(budget, "budget")
         kind = str(device).split(":")[0] if device is not None else None
         if kind not in (None, "cpu", "cuda", "meta", "mps", "xpu"):
@@ -168,6 +171,8 @@ class Tracker(TorchDispatchMode):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.cuda = {"allocated_start": torch.cuda.memory_allocated()}
+            if self.snapshot:
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
         for obj in self._objs:
             self._register(obj)
         self.start = self.live
@@ -183,6 +188,9 @@ class Tracker(TorchDispatchMode):
             torch.cuda.synchronize()
             self.cuda.update(peak_allocated=torch.cuda.max_memory_allocated(),
                              peak_reserved=torch.cuda.max_memory_reserved())
+            if self.snapshot:
+                torch.cuda.memory._dump_snapshot(str(self.snapshot))
+                torch.cuda.memory._record_memory_history(enabled=None)
         # Stop counting frees after the block, but keep what we measured.
         for _, _, fin in self._live.values():
             fin.detach()

@@ -39,3 +39,4 @@ def test_index_html_lists_figures():
     html = index_html({"01_x": {"size": "tiny", "device": "cpu", "figures": {"peak_bytes": 2**30, "gap_ratio": 0.5}}},
                       {"01_x.ipynb": "ok in 3 s"})
     assert "01_x.html" in html and "1.00 GiB" in html and "0.5x" in html and "tiny on cpu" in html
+    assert "+1.50%" in index_html({"01_x": {"figures": {"estimate_gap": 0.015}}}, {"01_x.ipynb": "ok"})

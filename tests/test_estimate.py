@@ -107,3 +107,11 @@ def test_table_and_cli(capsys):
     assert "optimizer" in out and "25.10 GiB" in out and "peak" in out
     with pytest.raises(SystemExit):
         main(["estimate", "llama-2-7b", "--dtype", "fp7"])
+
+
+def test_mixed_precision_states_per_optimizer():
+    states = lambda opt: lk.estimate("llama-2-7b", dtype="mixed", optimizer=opt)
+    P = lk.param_count(lk.models.config("llama-2-7b", "full"))
+    assert states("sgd").parts["optimizer"] == 4 * P                  # the fp32 master copy only
+    assert states("sgd-momentum").parts["optimizer"] == 8 * P
+    assert states("adamw-8bit").parts["optimizer"] == int(P * (6 + 8 / 256))

@@ -34,3 +34,10 @@ def test_budget_raises_a_real_cuda_oom():
     assert guard.oom
     y = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")   # the fraction is restored
     del y
+
+
+def test_snapshot_file(tmp_path):
+    path = tmp_path / "snap.pickle"
+    with lk.track(snapshot=path) as mem:
+        x = torch.ones(1024, 1024, device="cuda")
+    assert path.stat().st_size > 0 and mem.cuda["peak_reserved"] >= 4 * 2**20

@@ -17,6 +17,14 @@ Activations kept for backward, per layer, per token (b*s tokens), e bytes per el
                                       SDPA output (eh), its fp32 log-sum-exp (4 bytes per head)
         SwiGLU MLP   4ei              gate out (SiLU input), SiLU out, up out, their product
         total        8h + 6eh + 2e*h_kv + 4ei + 4a
+    Under torch.autocast (fp32 weights, 16-bit matmuls) the residual stream and the norms stay fp32 and
+    every matmul casts its own input (q, k and v cast the same normed input three times):
+        2 RMSNorms   2 * 8h           the fp32 input and the fp32 normalised tensor
+        casts        5eh              inputs of q, k, v, gate, up (o and down get 16-bit inputs already)
+        attention    2eh + 2e*h_kv + 4a   q, k after RoPE (computed in fp32, cast back for SDPA), v, output
+        SwiGLU MLP   4ei
+        total        16h + 7eh + 2e*h_kv + 4ei + 4a,  plus autocast's cache of 16-bit copies of every
+                     matmul weight (e bytes per weight), kept from its first use to the end of backward.
     RoPE saves no q/k copies because cos/sin need no gradient. No s^2 term: the flash kernel keeps
     only the log-sum-exp. With full recomputation only each layer's input (e*h) stays, plus one
     layer's activations while it is recomputed.
@@ -40,7 +48,8 @@ from .units import fmt_bytes
 
 __all__ = ["estimate", "Estimate", "param_count", "kv_cache_bytes", "DTYPES", "OPTIMIZERS"]
 
-DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2, "mixed": 2}
+# dtype -> (bytes per weight/gradient element, bytes per 16/32-bit activation element)
+DTYPES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "mixed": (2, 2), "amp-bf16": (4, 2), "amp-fp16": (4, 2)}
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "adamw-8bit", None)
 
 
@@ -104,23 +113,31 @@ def param_count(config):
 def kv_cache_bytes(config, batch, tokens, dtype="bf16"):
     """KV cache: 2 (K and V) * layers * kv_heads * head_dim * bytes * batch * tokens."""
     s = _shape(config)
-    return 2 * s["L"] * s["kv"] * s["d"] * _bytes(dtype) * batch * tokens
+    return 2 * s["L"] * s["kv"] * s["d"] * _bytes(dtype, activations=True) * batch * tokens
 
 
-def _bytes(dtype):
+def _bytes(dtype, activations=False):
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+    return DTYPES[dtype][activations]
+
+
+def _linear_params(s):
+    """Parameters of a Llama's matmul weights (what autocast casts and caches): all but norms and embedding."""
+    h, hkv = s["h"], s["kv"] * s["d"]
+    return s["L"] * (2 * h * s["a"] * s["d"] + 2 * h * hkv + 3 * h * s["i"]) + s["V"] * h
 
 
 def activation_bytes_per_token(config, seq, dtype="bf16", recompute=False):
     """Bytes of activations that one layer keeps for backward, per token (see the module docstring)."""
-    s, e = _shape(config), _bytes(dtype)
-    h, a = s["h"], s["a"]
+    s, e = _shape(config), _bytes(dtype, activations=True)
+    h, a, hkv, amp = s["h"], s["a"], s["kv"] * s["d"], dtype.startswith("amp")
     if recompute:
-        return e * h
+        return (4 if amp else e) * h            # the layer's input: the fp32 residual stream under autocast
+    if s["family"] == "llama" and amp:
+        return 16 * h + 7 * e * h + 2 * e * hkv + 4 * e * s["i"] + 4 * a
     if s["family"] == "llama":
-        return 8 * h + 6 * e * h + 2 * e * s["kv"] * s["d"] + 4 * e * s["i"] + 4 * a
+        return 8 * h + 6 * e * h + 2 * e * hkv + 4 * e * s["i"] + 4 * a
     return h * (34 + 5 * a * seq / h) * e / 2      # Korthikanti et al., scaled from 16-bit
 
 
@@ -129,8 +146,9 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
     """Predicted memory of a training step (training=True) or of inference with a KV cache.
 
     config: a transformers config or a labkit preset name (its full size).
-    dtype: "fp32", "bf16", "fp16" (weights, grads and states in that dtype), or "mixed" (16-bit weights
-    and grads, fp32 master weights and Adam states: 16 bytes/param).
+    dtype: "fp32", "bf16", "fp16" (weights, grads and states in that dtype), "mixed" (16-bit weights
+    and grads, fp32 master weights and Adam states: 16 bytes/param), or "amp-bf16"/"amp-fp16"
+    (torch.autocast: fp32 weights, grads and states; 16-bit matmul outputs and autocast's weight cache).
     optimizer: "sgd", "sgd-momentum", "adam", "adamw", "adamw-8bit" or None (training only).
     kv_tokens: tokens held in the KV cache for inference (default: seq).
     foreach: the optimizer's foreach flag (PyTorch's default: True on CUDA, False on CPU).
@@ -140,29 +158,32 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    s, e, P = _shape(config), _bytes(dtype), param_count(config)
+    s, w, e, P = _shape(config), _bytes(dtype), _bytes(dtype, activations=True), param_count(config)
+    amp, llama = dtype.startswith("amp"), s["family"] == "llama"
     tokens = batch * seq
     parts = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "kv_cache", "other"), 0)
-    parts["parameters"] = P * e
+    parts["parameters"] = P * w
     notes = []
     if training:
-        parts["gradients"] = P * e
-        state = {"sgd": 0, "sgd-momentum": e, "adam": 2 * e, "adamw": 2 * e, "adamw-8bit": 2 + 8 / 256, None: 0}
+        parts["gradients"] = P * w
+        state = {"sgd": 0, "sgd-momentum": w, "adam": 2 * w, "adamw": 2 * w, "adamw-8bit": 2 + 8 / 256, None: 0}
         parts["optimizer"] = int(P * state[optimizer])
         if dtype == "mixed":       # fp32 master weights (4) + the optimizer's state kept in fp32
             fp32_state = {"sgd": 0, "sgd-momentum": 4, "adam": 8, "adamw": 8, "adamw-8bit": 2 + 8 / 256, None: 0}
             parts["optimizer"] = int(P * (4 + fp32_state[optimizer]))
         per_layer = activation_bytes_per_token(config, seq, dtype, recompute)
-        head = (4 * s["h"] + 2 * e * s["h"] + (e + 4) * s["V"]) if s["family"] == "llama" else 0
+        head = ((8 * s["h"] + e * s["h"] if amp else 4 * s["h"] + 2 * e * s["h"]) + (e + 4) * s["V"]) if llama else 0
         parts["activations"] = int(tokens * (s["L"] * per_layer + head))
         if recompute:
             parts["activations"] += int(tokens * activation_bytes_per_token(config, seq, dtype))
-        loss_grad = tokens * 8 * s["V"] if s["family"] == "llama" else 0
-        largest = max(s["V"] * s["h"], s["h"] * s["i"]) * e
+        if amp and llama:          # autocast's cache of 16-bit weight copies lives until the forward ends
+            parts["activations"] += e * _linear_params(s)           # ... and backward uses them
+        loss_grad = tokens * 8 * s["V"] if llama else 0
+        largest = max(s["V"] * s["h"], s["h"] * s["i"]) * w
         step_temp = 0 if optimizer in ("sgd", "sgd-momentum", "adamw-8bit", None) else (
-            P * e if foreach else 2 * largest)
+            P * w if foreach else 2 * largest)
         # at the start of backward the loss gradient (8V per token, fp32) is live and the logits are gone
-        logits = tokens * e * s["V"] if s["family"] == "llama" else 0
+        logits = tokens * e * s["V"] if llama else 0
         backward = dict(parts, gradients=0, activations=parts["activations"] - logits, other=loss_grad)
         step = dict(parts, activations=0, other=step_temp)
         peak = max(backward, step, key=lambda p: sum(p.values()))
@@ -171,9 +192,11 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
             notes.append("activations: Korthikanti et al.'s GPT block formula (Megatron's layer), not this exact code")
     else:
         parts["kv_cache"] = kv_cache_bytes(config, batch, seq if kv_tokens is None else kv_tokens, dtype)
+        if amp:
+            raise ValueError(f"dtype {dtype!r} is for training; for inference use 'bf16' or 'fp16'")
         # The largest transient of a no-grad prefill is in the MLP: SiLU(gate), up and their product
         # (3ei) beside the residual stream, the normed input and attention's q/k/v (about 4eh).
         # An approximation: within ~5% of track() for the Llama presets at tiny size.
-        parts["activations"] = tokens * e * (3 * s["i"] + 4 * s["h"])
+        parts["activations"] = tokens * w * (3 * s["i"] + 4 * s["h"])
         peak = dict(parts)
     return Estimate(parts=parts, total=sum(peak.values()), peak_parts=peak, params=P, notes=notes)

@@ -27,7 +27,8 @@ Activations kept for backward, per layer, per token (b*s tokens), e bytes per el
                      matmul weight (e bytes per weight), kept from its first use to the end of backward.
     RoPE saves no q/k copies because cos/sin need no gradient. No s^2 term: the flash kernel keeps
     only the log-sum-exp. With full recomputation only each layer's input (e*h) stays, plus one
-    layer's activations while it is recomputed.
+    layer's activations while it is recomputed; with segments of k layers (Chen et al. 2016), the
+L/k segment inputs plus k layers' activations during the segment's recomputation: k = sqrt(L) minimises it.
 Head (Llama, loss in fp32 as transformers computes it): final norm (4h + 2eh), the logits (eV, kept by
 the output) and the fp32 log-softmax that cross-entropy saves (4V); the fp32 copy of the logits is not
 saved (a dtype cast saves nothing).
@@ -150,12 +151,16 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
     and grads, fp32 master weights and Adam states: 16 bytes/param), or "amp-bf16"/"amp-fp16"
     (torch.autocast: fp32 weights, grads and states; 16-bit matmul outputs and autocast's weight cache).
     optimizer: "sgd", "sgd-momentum", "adam", "adamw", "adamw-8bit" or None (training only).
+    recompute: activation checkpointing: True (every layer), an int k (segments of k layers, Chen et al.
+    2016: only segment inputs are kept, one segment is recomputed at a time), or False.
     kv_tokens: tokens held in the KV cache for inference (default: seq).
     foreach: the optimizer's foreach flag (PyTorch's default: True on CUDA, False on CPU).
     """
     for name, value in (("batch", batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not (isinstance(recompute, bool) or isinstance(recompute, int) and recompute >= 1):
+        raise ValueError(f"recompute must be True, False or a segment length >= 1, got {recompute!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     s, w, e, P = _shape(config), _bytes(dtype), _bytes(dtype, activations=True), param_count(config)
@@ -171,22 +176,33 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
         if dtype == "mixed":       # fp32 master weights (4) + the optimizer's state kept in fp32
             fp32_state = {"sgd": 0, "sgd-momentum": 4, "adam": 8, "adamw": 8, "adamw-8bit": 2 + 8 / 256, None: 0}
             parts["optimizer"] = int(P * (4 + fp32_state[optimizer]))
-        per_layer = activation_bytes_per_token(config, seq, dtype, recompute)
+        layer = activation_bytes_per_token(config, seq, dtype)
         head = ((8 * s["h"] + e * s["h"] if amp else 4 * s["h"] + 2 * e * s["h"]) + (e + 4) * s["V"]) if llama else 0
-        parts["activations"] = int(tokens * (s["L"] * per_layer + head))
-        if recompute:
-            parts["activations"] += int(tokens * activation_bytes_per_token(config, seq, dtype))
-        if amp and llama:          # autocast's cache of 16-bit weight copies lives until the forward ends
-            parts["activations"] += e * _linear_params(s)           # ... and backward uses them
+        if recompute:              # segments of k layers keep only their input; one is recomputed at a time
+            k = 1 if recompute is True else min(recompute, s["L"])
+            held = -(-s["L"] // k) * activation_bytes_per_token(config, seq, dtype, recompute=True)
+            recomputed = k * layer
+        else:
+            held, recomputed = s["L"] * layer, 0
+        cache = e * _linear_params(s) if amp and llama else 0   # autocast's 16-bit weight copies, kept
+        parts["activations"] = int(tokens * (held + max(head, recomputed)) + cache)   # through backward
         loss_grad = tokens * 8 * s["V"] if llama else 0
         largest = max(s["V"] * s["h"], s["h"] * s["i"]) * w
         step_temp = 0 if optimizer in ("sgd", "sgd-momentum", "adamw-8bit", None) else (
             P * w if foreach else 2 * largest)
         # at the start of backward the loss gradient (8V per token, fp32) is live and the logits are gone
         logits = tokens * e * s["V"] if llama else 0
-        backward = dict(parts, gradients=0, activations=parts["activations"] - logits, other=loss_grad)
+        backward = dict(parts, gradients=0, activations=int(tokens * (held + head) + cache - logits), other=loss_grad)
         step = dict(parts, activations=0, other=step_temp)
-        peak = max(backward, step, key=lambda p: sum(p.values()))
+        candidates = [backward, step]
+        if recompute:              # recomputing the top segment (few gradients yet) or the bottom one (most)
+            layer_params = (P - s["V"] * s["h"] * (1 if s["tied"] else 2) - s["h"]) // s["L"]
+            inp = activation_bytes_per_token(config, seq, dtype, recompute=True)
+            candidates += [dict(parts, gradients=w * s["V"] * s["h"] * (not s["tied"]), other=0,
+                                activations=int(tokens * (held + recomputed) + cache)),
+                           dict(parts, gradients=P * w - w * (k * layer_params + s["V"] * s["h"]), other=0,
+                                activations=int(tokens * (inp + recomputed) + cache))]
+        peak = max(candidates, key=lambda p: sum(p.values()))
         parts["other"] = peak["other"]
         if s["family"] != "llama":
             notes.append("activations: Korthikanti et al.'s GPT block formula (Megatron's layer), not this exact code")

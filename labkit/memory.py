@@ -128,7 +128,7 @@ class Tracker(TorchDispatchMode):
         if isinstance(obj, torch.nn.Module):
             self.label(list(obj.parameters()) + list(obj.buffers()), "parameters")
             self.label([p.grad for p in obj.parameters() if p.grad is not None], "gradients")
-            self._hooks.append(obj.register_forward_pre_hook(self._forward_pre))
+            self._hooks.append(obj.register_forward_pre_hook(lambda *a: self.mark("forward")))
             self._hooks.append(obj.register_forward_hook(self._forward_post))
             for p in obj.parameters():
                 if p.requires_grad:
@@ -146,11 +146,15 @@ class Tracker(TorchDispatchMode):
         self._phase.append(category)
         self.mark(text)
 
-    def _forward_pre(self, module, args):
-        self._enter_phase("activations", "forward")
+    # Whatever any module's forward creates is an activation: also the forward that activation
+    # checkpointing re-runs during backward. Global hooks, so that submodules count too.
+    def _module_pre(self, module, args):
+        self._phase.append("activations")
+
+    def _module_post(self, module, args, out):
+        self._phase.pop()
 
     def _forward_post(self, module, args, out):
-        self._phase.pop()
         self.mark("forward end")
         if isinstance(out, dict):            # transformers' ModelOutput: its KV cache is a cache
             for key in ("cache", "past_key_values"):
@@ -173,6 +177,9 @@ class Tracker(TorchDispatchMode):
             self.cuda = {"allocated_start": torch.cuda.memory_allocated()}
             if self.snapshot:
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        self._hooks.append(register_module_forward_pre_hook(self._module_pre))
+        self._hooks.append(register_module_forward_hook(self._module_post, always_call=True))
         for obj in self._objs:
             self._register(obj)
         self.start = self.live

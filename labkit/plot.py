@@ -82,14 +82,23 @@ def timeline(mem, ax=None, title="Live memory, op by op"):
     return ax
 
 
-def tradeoff(table, ax=None, title="Time against peak memory"):
-    """Scatter of time against peak for the rows of a `compare()` table (or {name: Result})."""
+def tradeoff(table, ax=None, title="Time against peak memory", highlight=()):
+    """Scatter of time against peak for the rows of a `compare()` table (or {name: Result}).
+
+    highlight: names of rows to circle (e.g. the schedule a rule of thumb recommends).
+    """
     results = getattr(table, "results", table)
+    highlight = [highlight] if isinstance(highlight, str) else list(highlight)
+    unknown = [h for h in highlight if h not in results]
+    if unknown:
+        raise ValueError(f"highlight must name rows of the table {list(results)}, got {unknown}")
     ax = _axes(ax)
     scale, unit = _unit(max(r.peak for r in results.values()))
     for name, r in results.items():
         ax.scatter(r.peak / scale, r.time_s * 1e3)
         ax.annotate(name, (r.peak / scale, r.time_s * 1e3), textcoords="offset points", xytext=(4, 4))
+        if name in highlight:
+            ax.scatter(r.peak / scale, r.time_s * 1e3, s=250, facecolors="none", edgecolors="red")
     ax.set_xlabel(f"peak ({unit})")
     ax.set_ylabel("time (ms)")
     ax.set_title(title)

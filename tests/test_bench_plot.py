@@ -46,7 +46,9 @@ def test_plots_return_axes():
     assert lk.plot.breakdown(est, mem, labels=["est", "meas"]).get_title()
     assert lk.plot.timeline(mem).get_xlabel().startswith("event")
     table = lk.compare({"a": lambda: torch.ones(10), "b": lambda: torch.ones(20)}, repeat=1)
-    assert lk.plot.tradeoff(table).get_xlabel().startswith("peak")
+    assert lk.plot.tradeoff(table, highlight="a").get_xlabel().startswith("peak")
+    with pytest.raises(ValueError, match="highlight must name rows"):
+        lk.plot.tradeoff(table, highlight="c")
     assert lk.plot.scaling([1, 2, 4], {"n^2": [1, 4, 16]}).get_xscale() == "log"
 
 

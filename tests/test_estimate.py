@@ -115,3 +115,35 @@ def test_mixed_precision_states_per_optimizer():
     assert states("sgd").parts["optimizer"] == 4 * P                  # the fp32 master copy only
     assert states("sgd-momentum").parts["optimizer"] == 8 * P
     assert states("adamw-8bit").parts["optimizer"] == int(P * (6 + 8 / 256))
+
+
+def test_recompute_estimate_against_transformers_checkpointing():
+    model = lk.models.build("llama-2-7b", "tiny", num_hidden_layers=8)
+    if hasattr(model, "activation_checkpointing_enable"):        # its name since transformers 5
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    ids = next(lk.data.batches(4, 128))
+
+    def step():
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with lk.track(model, opt) as mem:
+        step()
+    est = lk.estimate(model.config, 4, 128, "fp32", "adamw", recompute=True)
+    assert mem.peak == pytest.approx(est.total, rel=0.05)
+    # what is recomputed during backward is still filed under activations
+    backward = mem.timeline["activations"][[i for i, t in mem.marks if t == "backward"][0]:]
+    from labkit.estimate import activation_bytes_per_token
+    one_layer = 4 * 128 * activation_bytes_per_token(model.config, 128, "fp32")
+    assert (backward[1:] - backward[:-1]).clip(min=0).sum() > 0.9 * 8 * one_layer      # each layer, once more
+
+
+def test_recompute_bad_input():
+    with pytest.raises(ValueError, match="recompute must be True, False or a segment length >= 1, got 0"):
+        lk.estimate("llama-2-7b", recompute=0)

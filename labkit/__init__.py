@@ -1,5 +1,5 @@
 """labkit: measure, estimate, guard and plot the memory of deep-learning models (GPU Memory Lab)."""
-from . import data, models, plot
+from . import data, models, paged, plot
 from .bench import Result, Table, compare, measure
 from .device import device, has, report, size
 from .estimate import Estimate, estimate, kv_cache_bytes, param_count
@@ -9,7 +9,7 @@ from .records import record
 from .units import GiB, KiB, MiB, fmt_bytes, parse_bytes
 
 __all__ = [
-    "data", "models", "plot", "widgets",
+    "data", "models", "paged", "plot", "widgets",
     "device", "size", "has", "report",
     "track", "CATEGORIES",
     "estimate", "Estimate", "param_count", "kv_cache_bytes",

@@ -85,6 +85,8 @@ def _figure(key, value):
         return f"{value:.3g}x"
     if key.endswith("_gap"):
         return f"{value:+.2%}"
+    if key.endswith("_share"):
+        return f"{value:.1%}"
     return f"{value:.4g}" if isinstance(value, float) else f"{value:,}"
 
 

@@ -22,7 +22,7 @@ def record(notebook, **figures):
     """Save `figures` (name=number or short text) under the notebook's name; returns the file's path.
 
     Names ending in `_bytes` are shown in binary units, `_s` in seconds, `_ratio` as "x", `_gap` as a
-    signed percentage.
+    signed percentage, `_share` as a percentage.
     """
     if not isinstance(notebook, str) or not re.fullmatch(r"[0-9]{2}_[a-z0-9_]+", notebook):
         raise ValueError(f"notebook must be a name like '01_memory_anatomy', got {notebook!r}")

@@ -40,3 +40,4 @@ def test_index_html_lists_figures():
                       {"01_x.ipynb": "ok in 3 s"})
     assert "01_x.html" in html and "1.00 GiB" in html and "0.5x" in html and "tiny on cpu" in html
     assert "+1.50%" in index_html({"01_x": {"figures": {"estimate_gap": 0.015}}}, {"01_x.ipynb": "ok"})
+    assert "79.3%" in index_html({"01_x": {"figures": {"waste_share": 0.793}}}, {"01_x.ipynb": "ok"})

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 import platform
 
@@ -38,6 +39,12 @@ def _imports(module):
     return check
 
 
+def _installed(module):
+    # For packages whose import has lasting effects: Triton must first be imported after
+    # TRITON_INTERPRET is set (labkit.flash does that), so only look for it here.
+    return lambda: importlib.util.find_spec(module) is not None
+
+
 FEATURES = {
     "cuda": torch.cuda.is_available,
     "multi_gpu": lambda: torch.cuda.device_count() >= 2,
@@ -50,7 +57,7 @@ FEATURES = {
     "peft": _imports("peft"),
     "accelerate": _imports("accelerate"),
     "bitsandbytes": _imports("bitsandbytes"),
-    "triton": _imports("triton"),
+    "triton": _installed("triton"),
     "flash_attn": _imports("flash_attn"),
     "tensorrt": _imports("tensorrt"),
     "onnxruntime": _imports("onnxruntime"),

@@ -7,6 +7,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
+if not torch.cuda.is_available():          # before anything imports triton (see labkit/flash.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(1)
 
 

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import labkit as lk
+from conftest import steady_step
 
 
 @pytest.mark.parametrize("name", sorted(lk.models.PRESETS))
@@ -20,14 +21,7 @@ def test_training_estimate_within_5_percent_of_track(preset, dtype, optimizer):
     opt = {"adamw": lambda p: torch.optim.AdamW(p, foreach=False),
            "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
            "sgd": lambda p: torch.optim.SGD(p, lr=0.1)}[optimizer](model.parameters())
-    ids = next(lk.data.batches(2, 96))
-
-    def step():
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
+    step = steady_step(model, opt, next(lk.data.batches(2, 96)))
     with lk.track(model, opt) as mem:
         step()
     est = lk.estimate(model.config, 2, 96, dtype, optimizer)
@@ -125,14 +119,7 @@ def test_recompute_estimate_against_transformers_checkpointing():
         model.gradient_checkpointing_enable({"use_reentrant": False})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
-    ids = next(lk.data.batches(4, 128))
-
-    def step():
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
+    step = steady_step(model, opt, next(lk.data.batches(4, 128)))
     with lk.track(model, opt) as mem:
         step()
     est = lk.estimate(model.config, 4, 128, "fp32", "adamw", recompute=True)

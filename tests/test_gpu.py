@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import labkit as lk
+from conftest import steady_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)")
 
@@ -12,14 +13,7 @@ def test_track_matches_max_memory_allocated(dtype):
     model = lk.models.build("llama-2-7b", "tiny", dtype=dtype, device="cuda", num_hidden_layers=8,
                             hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=8)
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
-    ids = next(lk.data.batches(8, 512, device="cuda"))
-
-    def step():
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
+    step = steady_step(model, opt, next(lk.data.batches(8, 512, device="cuda")))
     lk.free()
     with lk.track(model, opt, device="cuda") as mem:
         step()

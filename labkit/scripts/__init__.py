@@ -1,0 +1,1 @@
+"""Scripts that `torchrun` starts, one process per rank (notebook 09; `labkit.parallel.launch`)."""

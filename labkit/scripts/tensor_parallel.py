@@ -1,0 +1,110 @@
+"""Tensor parallelism on N ranks (torchrun -m labkit.scripts.tensor_parallel): from scratch, then DTensor.
+
+Every rank builds the same tiny Llama (same seed). Part 1 shards layer 0's MLP and attention with
+labkit.parallel and checks outputs and gradients against the unsharded blocks, counting the bytes
+all-reduced and the memory per rank. Part 2 shards every layer with PyTorch's `parallelize_module`
+(ColwiseParallel / RowwiseParallel) and checks the loss and the weights after one AdamW step.
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import labkit as lk
+from labkit.estimate import activation_bytes_per_token
+from labkit.parallel import init, COMM, ParallelAttention, ParallelMLP, write_result
+
+B, T = 4, 64
+# fp32 sums in a different order on each rank: agreement to ~1e-6 relative, so rtol 1e-4 is generous
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def check_block(name, block, parallel, x, extra=()):
+    """Outputs, input gradients and weight-gradient shards of `parallel` against `block`."""
+    x_ref, x_par = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ref = block(x_ref, *extra)
+    out_ref = out_ref[0] if isinstance(out_ref, tuple) else out_ref
+    out_ref.pow(2).sum().backward()
+    COMM.update(all_reduce_calls=0, all_reduce_bytes=0)
+    with lk.track(parallel) as mem:             # what the block keeps for backward, and its output
+        out = parallel(x_par, *extra)
+    fwd_bytes = COMM["all_reduce_bytes"]
+    x_again = x.clone().requires_grad_()
+    with lk.track(block) as mem_ref:
+        out_again = block(x_again, *extra)
+    del out_again
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(out, out_ref, **TOL)
+    torch.testing.assert_close(x_par.grad, x_ref.grad, **TOL)
+    return dict(forward_bytes=fwd_bytes, backward_bytes=COMM["all_reduce_bytes"] - fwd_bytes,
+                calls=COMM["all_reduce_calls"], param_bytes=sum(p.nbytes for p in parallel.parameters()),
+                full_param_bytes=sum(p.nbytes for p in block.parameters()),
+                activations=mem.at("end")["activations"] + mem.at("end")["other"],
+                full_activations=mem_ref.at("end")["activations"] + mem_ref.at("end")["other"])
+
+
+def main():
+    dev = init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    model = lk.models.build("llama-2-7b", "tiny", seed=0, device=dev)
+    cfg, layer = model.config, model.model.layers[0]
+    x = torch.randn(B, T, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(dev)
+    pe = model.model.rotary_emb(x, torch.arange(T, device=dev)[None].expand(B, T))
+
+    mlp = ParallelMLP(layer.mlp, rank, world)
+    result = {"world": world, "tokens": B * T, "hidden": cfg.hidden_size, "mlp": check_block("mlp", layer.mlp, mlp, x)}
+    shard = lambda w, dim: w.grad.chunk(world, dim)[rank]
+    torch.testing.assert_close(mlp.gate.weight.grad, shard(layer.mlp.gate_proj.weight, 0), **TOL)
+    torch.testing.assert_close(mlp.down.weight.grad, shard(layer.mlp.down_proj.weight, 1), **TOL)
+
+    attn = ParallelAttention(layer.self_attn, rank, world)
+    ref_attn = lambda h, pe: layer.self_attn(h, position_embeddings=pe, attention_mask=None)
+    class Ref(torch.nn.Module):                 # the unsharded attention with the same call signature
+        def __init__(self):
+            super().__init__()
+            self.attn = layer.self_attn
+        def forward(self, h, pe):
+            return ref_attn(h, pe)
+    result["attention"] = check_block("attention", Ref(), attn, x, (pe,))
+    torch.testing.assert_close(attn.q.weight.grad, shard(layer.self_attn.q_proj.weight, 0), **TOL)
+    torch.testing.assert_close(attn.o.weight.grad, shard(layer.self_attn.o_proj.weight, 1), **TOL)
+    result["estimated_activation_bytes_per_token_unsharded"] = activation_bytes_per_token(cfg, T, "fp32")
+
+    # Part 2: PyTorch's own tensor parallelism on every layer, one optimizer step.
+    mesh = init_device_mesh(dev.type, (world,))
+    plan = {**{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    tp, ref = (lk.models.build("llama-2-7b", "tiny", seed=0, device=dev) for _ in range(2))
+    for block in tp.model.layers:
+        parallelize_module(block, mesh, plan)
+    ids = next(lk.data.batches(2, 32, seed=0, device=dev))
+    losses, opts, lr = [], [], 1e-3
+    for m in (tp, ref):
+        opts.append(torch.optim.AdamW(m.parameters(), lr=lr, foreach=False))
+        loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) < 1e-5, losses
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t
+    for p, p_ref in zip(tp.parameters(), ref.parameters()):
+        torch.testing.assert_close(full(p.grad), p_ref.grad, **TOL)
+    for opt in opts:
+        opt.step()
+    local = 0
+    for p, p_ref in zip(tp.parameters(), ref.parameters()):
+        # Adam's first step moves each weight by about lr * g / |g|: where a gradient is near zero, its
+        # last-bit differences can change that step by up to lr, hence atol = lr.
+        torch.testing.assert_close(full(p), p_ref, rtol=1e-4, atol=lr)
+        local += (p.to_local() if isinstance(p, DTensor) else p).nbytes
+    result["dtensor"] = dict(loss=losses[0], reference_loss=losses[1], local_param_bytes=local,
+                             full_param_bytes=sum(p.nbytes for p in ref.parameters()))
+    if rank == 0:
+        write_result(result)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -20,7 +20,7 @@ env: $(STAMP)
 
 lab: env
 	@echo "Starting JupyterLab on notebooks/ (open the URL it prints; Ctrl-C to stop)."
-	HF_HUB_OFFLINE=1 $(VENV)/bin/jupyter lab notebooks/ $(if $(DISPLAY),,--no-browser)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/jupyter lab notebooks/ $(if $(DISPLAY),,--no-browser) $(if $(filter 0,$(shell id -u)),--allow-root)
 
 test: env
 	$(TESTENV) $(PYTHON) -m pytest tests notebooks --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider

@@ -1,8 +1,8 @@
 """Memory from a model's config, before anything is allocated: the formulas, one per category.
 
 Bytes per parameter (P = parameter count):
-    weights      P * e              e = 4 (fp32), 2 (bf16/fp16); "mixed" stores 16-bit weights
-    gradients    P * e              same dtype as the weights
+    weights      P * w              w = 4 (fp32, autocast), 2 (bf16/fp16); "mixed" stores 16-bit weights
+    gradients    P * w              same dtype as the weights
     optimizer    sgd 0, sgd-momentum P*e, adam/adamw 2*P*e, adamw-8bit ~2*P (+ fp32 blocks' scales);
                  "mixed" keeps fp32 master weights and fp32 Adam: 12 * P   (ZeRO sec. 3.1: 16 B/param)
     kv cache     2 * layers * kv_heads * head_dim * e * batch * tokens          (vLLM sec. 3)
@@ -28,17 +28,21 @@ Activations kept for backward, per layer, per token (b*s tokens), e bytes per el
     RoPE saves no q/k copies because cos/sin need no gradient. No s^2 term: the flash kernel keeps
     only the log-sum-exp. With full recomputation only each layer's input (e*h) stays, plus one
     layer's activations while it is recomputed; with segments of k layers (Chen et al. 2016), the
-L/k segment inputs plus k layers' activations during the segment's recomputation: k = sqrt(L) minimises it.
+    L/k segment inputs plus k layers' activations during the segment's recomputation, smallest at
+    k = sqrt(L * input / layer): sqrt(L) only when an input costs as much as a layer (for a
+    transformer layer it is ~20x smaller, so k = 1 or 2 wins; notebook 03 measures it).
 Head (Llama, loss in fp32 as transformers computes it): final norm (4h + 2eh), the logits (eV, kept by
 the output) and the fp32 log-softmax that cross-entropy saves (4V); the fp32 copy of the logits is not
 saved (a dtype cast saves nothing).
 
 The peak of a steady-state training step (optimizer state exists, zero_grad(set_to_none=True) as in
-PyTorch's default) is one of two moments:
+PyTorch's default) is one of these moments:
     start of backward   weights + optimizer + activations + the loss gradient: two fp32 V-wide
                         tensors per token (8V) while the e-byte logits (eV) are already freed
     optimizer step      weights + optimizer + gradients + the step's temporaries (AdamW: one
                         parameter-sized copy with foreach=True, two copies of the largest tensor without)
+    recomputation       with checkpointing, the top segment (few gradients yet) or the bottom one
+                        (most gradients) while its activations are rebuilt
 The first step differs: its optimizer state is born inside step().
 """
 from __future__ import annotations

@@ -104,11 +104,10 @@ class Tracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # An output that shares an input's storage (a view, an in-place op) allocated nothing, even if
         # that storage was born before tracking began and is seen here for the first time.
-        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+        inputs = {_storage_id(t) for t in tree_leaves((args, kwargs))}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and (id(t.untyped_storage()) not in inputs
-                                                or id(t.untyped_storage()) in self._live):
+            key = _storage_id(t)
+            if key is not None and (key not in inputs or key in self._live):
                 self._see(t)
         return out
 
@@ -240,6 +239,16 @@ class Tracker(TorchDispatchMode):
     def __repr__(self):
         parts = ", ".join(f"{c} {fmt_bytes(b)}" for c, b in self.peak_parts.items() if b)
         return f"<track peak {fmt_bytes(self.peak)} ({parts}); live {fmt_bytes(self.live)}>"
+
+
+def _storage_id(t):
+    """id of a strided tensor's storage object (the same object while the storage lives), else None."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return None
+    try:
+        return id(t.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _tensors(obj, _seen=None):

@@ -130,3 +130,10 @@ def test_timeline_shape_and_repr():
     assert set(tl) == set(lk.CATEGORIES) | {"total"}
     assert tl["total"].max() == mem.peak == 80 and tl["total"][-1] == 40
     assert "peak 80 B" in repr(mem)
+
+
+def test_sparse_outputs_are_skipped_not_fatal():
+    with lk.track() as mem:
+        s = torch.eye(64).to_sparse()
+        d = s.to_dense()
+    assert mem.peak >= d.nbytes

@@ -167,8 +167,9 @@ def launch(module, nproc=2, args=(), timeout=300):
 
 
 def init():
-    """Join the process group torchrun set up: NCCL on GPUs (one per rank), gloo on CPUs; the device."""
-    if torch.cuda.is_available():
+    """Join the process group torchrun set up: NCCL when every local rank has its own GPU, else gloo
+    on CPUs (also on a one-GPU machine running two ranks); returns this rank's device."""
+    if torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl")

@@ -1,15 +1,17 @@
 """Where we run: the device, the size of the workbook ('tiny' | 'full'), and which features exist."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
+import logging
 import os
 import platform
 
 import torch
 
-__all__ = ["device", "size", "has", "report", "FEATURES", "SIZES"]
+__all__ = ["device", "size", "has", "report", "import_quietly", "FEATURES", "SIZES"]
 
 SIZES = ("tiny", "full")
 
@@ -29,10 +31,50 @@ def size():
     return chosen
 
 
+# Notes a package logs while it is imported that are no concern of a learner, as (logger, start of
+# the message). bitsandbytes >= 0.48 on a CPU with AVX512-BF16 tries to fetch an optional kernel from
+# the Hub (bitsandbytes/backends/cpu/ops.py, `logger.warning("Failed to load CPU gemm_4bit_forward
+# from kernels-community: ...")`) and falls back to its own kernel, which is what labkit uses anyway.
+IMPORT_NOTES = {
+    "bitsandbytes": [("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community")],
+}
+
+
+class _DropNotes(logging.Filter):
+    def __init__(self, prefix):
+        super().__init__()
+        self.prefix, self.dropped = prefix, []
+
+    def filter(self, record):
+        if str(record.msg).startswith(self.prefix):
+            self.dropped.append(record.getMessage())
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _without_import_notes(package):
+    """Drop exactly the IMPORT_NOTES of `package` (a filter on each logger), only while it imports."""
+    filters = [(logging.getLogger(name), _DropNotes(prefix)) for name, prefix in IMPORT_NOTES.get(package, ())]
+    for log, f in filters:
+        log.addFilter(f)
+    try:
+        yield [f for _, f in filters]
+    finally:
+        for log, f in filters:
+            log.removeFilter(f)
+
+
+def import_quietly(module):
+    """`importlib.import_module(module)` without the import-time notes listed in IMPORT_NOTES."""
+    with _without_import_notes(module.split(".")[0]):
+        return importlib.import_module(module)
+
+
 def _imports(module):
     def check():
         try:
-            importlib.import_module(module)
+            import_quietly(module)
             return True
         except Exception:          # a broken install (missing CUDA libs, ...) counts as absent
             return False

@@ -3,53 +3,112 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import sys
 import traceback
+import weakref
 
 import torch
 
 from .device import has
-from .memory import track
+from .memory import _tensors, track
 from .units import fmt_bytes, parse_bytes
 
 __all__ = ["oom_guard", "budget", "free", "requires"]
 
+# What running out of memory looks like when it is not a torch.OutOfMemoryError: the CPU allocator
+# ("DefaultCPUAllocator: can't allocate memory: you tried to allocate ..."; "not enough memory" on
+# Windows) and MPS ("MPS backend out of memory") raise a plain RuntimeError.
+_OOM_TEXT = re.compile(r"can't allocate memory|not enough memory|out of memory", re.IGNORECASE)
+
+
+def _is_oom(kind, exc):
+    if issubclass(kind, torch.OutOfMemoryError):
+        return True
+    return issubclass(kind, RuntimeError) and bool(_OOM_TEXT.search(str(exc)))
+
 
 class oom_guard(contextlib.AbstractContextManager):
-    """Catch `torch.OutOfMemoryError` in the block, free what its frames held, report, go on.
+    """Catch an out-of-memory error in the block, free what its frames held, report, go on.
 
-    After the block: `.oom` is True if it ran out of memory, `.message` says what happened.
+    objs: the models, optimizers or tensors the block trains (held weakly). After an OOM in
+    backward or `step()` some of their parameters hold partial `.grad`s that the next step would
+    silently add to: the guard sets them to None (`.cleared` counts them). Without objs it cannot
+    know them, and the message says so.
+    Caught: `torch.OutOfMemoryError` and a RuntimeError saying the allocator failed (CPU, MPS).
+    After the block: `.oom` is True if it ran out of memory, `.message` says what happened. The
+    same guard can be entered again; each block starts with `.oom` False.
     """
 
-    def __init__(self, quiet=False):
-        self.quiet, self.oom, self.message = quiet, False, None
+    def __init__(self, *objs, quiet=False):
+        self.quiet, self.oom, self.message, self.cleared = quiet, False, None, 0
+        self._objs = [_weak(o) for o in objs]
+
+    def __enter__(self):
+        self.oom, self.message, self.cleared = False, None, 0
+        return self
 
     def __exit__(self, kind, exc, tb):
-        if kind is None or not issubclass(kind, torch.OutOfMemoryError):
+        if kind is None or not _is_oom(kind, exc):
             return False
-        self.oom, self.message = True, str(exc).splitlines()[0]
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        self.oom, self.message = True, (lines[0] if lines else f"{kind.__name__} (no message)")
+        in_training = any(f.f_code.co_name in ("backward", "run_backward", "step")
+                          for f, _ in traceback.walk_tb(tb))
         traceback.clear_frames(tb)            # the frames' locals are what keep the tensors alive
         exc.__traceback__ = None
         sys.last_value = sys.last_traceback = None
         del exc, tb
+        grads = self._clear_grads(in_training)
         free()
         if not self.quiet:
             where = (f"; CUDA allocated now {fmt_bytes(torch.cuda.memory_allocated())}"
                      if torch.cuda.is_available() else "")
-            print(f"OutOfMemoryError caught: {self.message}{where}. The kernel goes on.")
+            print(f"OutOfMemoryError caught: {self.message}{where}. {grads + ' ' if grads else ''}The kernel goes on.")
         return True
+
+    def _clear_grads(self, in_training):
+        """Drop the .grad of every parameter of the objects given; say what was done."""
+        if not self._objs:
+            return ("It stopped in backward or step(), so parameters may hold partial .grads: "
+                    "call opt.zero_grad(), or pass them, oom_guard(model, opt), to clear them."
+                    if in_training else "")
+        for ref in self._objs:
+            obj = ref()
+            if isinstance(obj, torch.optim.Optimizer):
+                params = [p for g in obj.param_groups for p in g["params"]]
+            else:
+                params = [t for t in _tensors(obj) if isinstance(t, torch.Tensor)]
+            for p in params:
+                if p.grad is not None:
+                    p.grad = None
+                    self.cleared += 1
+        return f"Cleared the partial .grad of {self.cleared} tensors." if self.cleared else ""
+
+
+def _weak(obj):
+    try:
+        return weakref.ref(obj)
+    except TypeError:                     # a list or dict of tensors: kept as given
+        return lambda: obj
 
 
 @contextlib.contextmanager
 def budget(size, *objs):
-    """Pretend the device holds only `size` bytes ("2 GiB", or an int).
+    """Pretend the device holds only `size` bytes ("2 GiB", or a whole number of bytes).
 
     CUDA: a per-process memory fraction, so the caching allocator raises a real OOM.
     CPU (and fake/meta): a `track()` over `objs` (modules, optimizers, tensors counted from the start)
     that raises `torch.OutOfMemoryError` once live bytes pass the budget. Yields the tracker.
+    If what `objs` already hold passes the budget, the OOM says so before the block runs, and
+    nothing stays registered.
     """
     limit = parse_bytes(size, "size")
     if torch.cuda.is_available():
+        held = torch.cuda.memory_allocated()
+        if held > limit:
+            raise torch.OutOfMemoryError(f"budget {fmt_bytes(limit)} exceeded before the block ran: "
+                                         f"CUDA already holds {fmt_bytes(held)}")
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total))
         try:

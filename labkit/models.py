@@ -13,7 +13,7 @@ import torch
 
 from .device import size as _default_size
 
-__all__ = ["PRESETS", "TINY", "config", "build", "minilm"]
+__all__ = ["PRESETS", "TINY", "config", "build", "minilm", "FAMILY_CONFIGS", "family_config"]
 
 # Published configurations (the model cards' config.json).
 PRESETS = {
@@ -36,15 +36,16 @@ PRESETS = {
 }
 
 # The tiny size of each preset: same family and ratio of query to key/value heads, head dim 32,
-# a quarter to an eighth of the layers; the vocabulary is labkit.data's tokenizer (4096). Widths are
-# multiples of 32 so that bitsandbytes' 4-bit CPU kernels accept every layer.
+# a quarter to an eighth of the layers; the vocabulary is labkit.data's tokenizer (4096). Every
+# linear layer's in_features is a multiple of 64, bitsandbytes' 4-bit blocksize: on CPUs with
+# AVX512-BF16 its no-grad forward repacks the weights and reshapes the block scales to (out, in/64).
 TINY = {
     "gpt2-124m": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=512,
                       bos_token_id=0, eos_token_id=0),
-    "llama-2-7b": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+    "llama-2-7b": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=4),
-    "llama-2-13b": dict(hidden_size=160, intermediate_size=448, num_hidden_layers=5, num_attention_heads=5,
-                        num_key_value_heads=5),
+    "llama-2-13b": dict(hidden_size=192, intermediate_size=512, num_hidden_layers=5, num_attention_heads=6,
+                        num_key_value_heads=6),
     "llama-2-70b": dict(hidden_size=256, intermediate_size=896, num_hidden_layers=8, num_attention_heads=8,
                         num_key_value_heads=1),
     "llama-3-8b": dict(hidden_size=128, intermediate_size=448, num_hidden_layers=4, num_attention_heads=4,
@@ -111,10 +112,78 @@ def build(name, size=None, dtype=torch.float32, device="cpu", seed=0, **override
         with mode, _default_dtype(dtype):
             model = cls(cfg)
         model.fake_mode = mode
-        return model
-    with torch.device(device), _default_dtype(dtype):
-        model = cls(cfg)
+    else:
+        with torch.device(device), _default_dtype(dtype):
+            model = cls(cfg)
+    if cfg.model_type == "gpt2":
+        # GPT2LMHeadModel names no loss type, so transformers warns on its first loss and then uses
+        # this one anyway; naming it keeps that notice out of every notebook.
+        model.loss_type = "ForCausalLM"
     return model
+
+
+# One published configuration per transformers family that lk.estimate covers (the model cards'
+# config.json, defaults of the transformers config class elsewhere), and a tiny size of each: head dim
+# 32 or 48, 2-3 layers, labkit.data's vocabulary. Used by the estimate's per-family tests and table.
+FAMILY_CONFIGS = {
+    "mistral-7b": ("MistralConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, sliding_window=4096,
+                   max_position_embeddings=32768),
+                   dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, sliding_window=32)),
+    "qwen2-7b": ("Qwen2Config", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768),
+                 dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True)),
+    "gemma-7b": ("GemmaConfig", dict(hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=16, head_dim=256, vocab_size=256000,
+                 max_position_embeddings=8192),
+                 dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=48)),
+    "phi-2": ("PhiConfig", dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=32,
+              num_attention_heads=32, vocab_size=51200, max_position_embeddings=2048),
+              dict(hidden_size=128, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4)),
+    "opt-13b": ("OPTConfig", dict(hidden_size=5120, ffn_dim=20480, num_hidden_layers=40, num_attention_heads=40,
+                vocab_size=50272, max_position_embeddings=2048),
+                dict(hidden_size=128, ffn_dim=512, num_hidden_layers=3, num_attention_heads=4)),
+    "gpt2-124m": ("GPT2Config", dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024),
+                  dict(n_embd=192, n_layer=3, n_head=4, n_positions=512, bos_token_id=0, eos_token_id=0)),
+    "bert-large": ("BertConfig", dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                   num_attention_heads=16, vocab_size=30522, max_position_embeddings=512),
+                   dict(hidden_size=192, intermediate_size=768, num_hidden_layers=3, num_attention_heads=4)),
+    "mixtral-8x7b": ("MixtralConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_local_experts=8,
+                     num_experts_per_tok=2, max_position_embeddings=32768),
+                     dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, num_local_experts=4)),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+                  shared_expert_intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+                  num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, vocab_size=151936,
+                  max_position_embeddings=8192),
+                  dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                       shared_expert_intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=4, num_experts=4, num_experts_per_tok=2)),
+    "t5-base": ("T5Config", dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64, vocab_size=32128),
+                dict(d_model=128, d_ff=512, num_layers=2, num_heads=4, d_kv=32, decoder_start_token_id=0)),
+}
+
+
+def family_config(name, size=None, **overrides):
+    """The transformers config of `name` in FAMILY_CONFIGS at `size` ('tiny' | 'full'), with `overrides`."""
+    if name not in FAMILY_CONFIGS:
+        raise ValueError(f"name must be one of {sorted(FAMILY_CONFIGS)}, got {name!r}")
+    size = size or _default_size()
+    if size not in ("tiny", "full"):
+        raise ValueError(f"size must be 'tiny' or 'full', got {size!r}")
+    import transformers as tf
+    cls, full, tiny = FAMILY_CONFIGS[name]
+    spec = dict(full)
+    if size == "tiny":
+        spec.update(tiny, vocab_size=TINY_VOCAB)
+    spec.update(overrides)
+    cfg = getattr(tf, cls)(**spec)
+    cfg._attn_implementation = "sdpa"
+    return cfg
 
 
 def minilm():

@@ -69,6 +69,12 @@ def timeline(mem, ax=None, title="Live memory, op by op"):
     x = range(len(tl["total"]) - start)
     ax.stackplot(x, *[tl[c][start:] / scale for c in cats], labels=cats, colors=[COLORS[c] for c in cats],
                  step="post")
+    # A spike a few events wide (the loss gradient at the start of backward) is thinner than a pixel
+    # of the stacked area; the total as a line and the peak as a dot keep it visible.
+    total = tl["total"][start:] / scale
+    ax.step(x, total, where="post", color="black", lw=0.6, label="total")
+    top = int(total.argmax())
+    ax.plot([top], [total[top]], "v", color="black", ms=5, label=f"peak {total[top]:.3g} {unit}")
     last = -len(x)
     for i, text in mem.marks:
         if text not in ("start", "end") and i - start - last > 0.03 * len(x):   # no overlapping labels

@@ -1,6 +1,8 @@
 """Bytes in and out: "2 GiB" -> 2147483648 -> "2.00 GiB"."""
 from __future__ import annotations
 
+import math
+import numbers
 import re
 
 __all__ = ["parse_bytes", "fmt_bytes", "GiB", "MiB", "KiB"]
@@ -11,20 +13,35 @@ _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
 
 
 def parse_bytes(value, name="size"):
-    """Bytes from an int or a string like "64 MiB", "1.5GB"; errors name the argument."""
+    """Bytes from an int or a string like "64 MiB", "1.5GB"; errors name the argument and the value.
+
+    Units: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024), any case except a
+    lowercase b after a capital prefix ("Gb", "MiB" is fine, "Mib"): that is bits, and is refused.
+    The result must be a whole number of bytes, at least 1 (`1.5` is refused, "1.5 KiB" is 1536).
+    """
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number of bytes or a string like '2 GiB', got {value!r}")
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real):                # int, float, numpy numbers, Fraction
         n = value
     elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B)?\s*", value, re.IGNORECASE)
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([KMGT]?i?B)?\s*", value, re.IGNORECASE)
         if not m:
             raise ValueError(f"{name} must look like '64 MiB' or '2 GB', got {value!r}")
-        n = float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()]
+        unit = m.group(2) or "B"
+        if unit.endswith("b") and unit != unit.lower():
+            raise ValueError(f"{name} {value!r} is in bits ('{unit}'); memory is counted in bytes: "
+                             f"write '{unit[0].upper()}B' (powers of 1000) or '{unit[0].upper()}iB' (powers of 1024)")
+        n = float(m.group(1)) * _UNITS[unit.lower()]
     else:
         raise TypeError(f"{name} must be a number of bytes or a string like '2 GiB', got {value!r}")
+    if not math.isfinite(n):
+        raise ValueError(f"{name} must be a finite number of bytes, got {value!r}")
     if n <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
+    if not isinstance(value, str) and n != int(n):
+        raise ValueError(f"{name} must be a whole number of bytes, got {value!r} (write e.g. '1.5 GiB' for a unit)")
+    if int(n) < 1:
+        raise ValueError(f"{name} must be at least 1 byte, got {value!r}")
     return int(n)
 
 

@@ -44,7 +44,11 @@ def test_plots_return_axes():
         y = x * 2
     est = lk.estimate("llama-2-7b", 1, 128)
     assert lk.plot.breakdown(est, mem, labels=["est", "meas"]).get_title()
-    assert lk.plot.timeline(mem).get_xlabel().startswith("event")
+    ax = lk.plot.timeline(mem)
+    assert ax.get_xlabel().startswith("event")
+    peak = [t.get_text() for t in ax.get_legend().get_texts() if t.get_text().startswith("peak")]
+    unit = ax.get_ylabel()                                            # a one-event spike is still shown
+    assert peak == [f"peak {mem.peak / lk.parse_bytes('1 ' + unit):.3g} {unit}"], peak
     table = lk.compare({"a": lambda: torch.ones(10), "b": lambda: torch.ones(20)}, repeat=1)
     assert lk.plot.tradeoff(table, highlight="a").get_xlabel().startswith("peak")
     with pytest.raises(ValueError, match="highlight must name rows"):

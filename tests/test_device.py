@@ -37,3 +37,32 @@ def test_report(capsys):
     assert set(info["features"]) >= {"cuda", "bitsandbytes", "flash_attn", "triton", "tensorrt"}
     assert "torch" in capsys.readouterr().out
     assert lk.report(show=False)["device"] == str(lk.device())
+
+
+def test_bitsandbytes_kernel_note_is_silenced_exactly(tmp_path, monkeypatch, caplog):
+    import importlib
+    import importlib.util
+    import logging
+
+    import pathlib
+    dev = importlib.import_module("labkit.device")        # the module (lk.device is the function)
+    logger, prefix = dev.IMPORT_NOTES["bitsandbytes"][0]
+    # The note labkit drops is the one bitsandbytes really logs, from that module's own logger
+    # (read from its source, without importing it).
+    spec = importlib.util.find_spec("bitsandbytes")
+    if spec is not None:
+        source = (pathlib.Path(spec.origin).parent / "backends" / "cpu" / "ops.py").read_text()
+        assert logger == "bitsandbytes.backends.cpu.ops"
+        assert prefix in source and "logging.getLogger(__name__)" in source
+    # A package that logs the note on import, as bitsandbytes does on a CPU with AVX512-BF16.
+    (tmp_path / "fake_bnb.py").write_text(
+        "import logging\n"
+        f"logging.getLogger({logger!r}).warning({prefix + ': %s. Please make sure you already `pip install kernels`'!r}, 'offline')\n"
+        f"logging.getLogger({logger!r}).warning('another warning that stays')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(dev.IMPORT_NOTES, "fake_bnb", dev.IMPORT_NOTES["bitsandbytes"])
+    with caplog.at_level(logging.WARNING):
+        dev.import_quietly("fake_bnb")
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["another warning that stays"]
+    assert not logging.getLogger(logger).filters                  # nothing stays installed

@@ -46,10 +46,69 @@ def test_budget_that_fits_and_other_errors_pass_through(tiny_llama):
     assert not g.oom and g.message is None
 
 
-def test_budget_bad_size():
-    with pytest.raises(ValueError, match="size must be positive"):
-        with lk.budget(-5):
+@pytest.mark.parametrize("bad, says", [(-5, "size must be positive"), (1.5, "size must be a whole number of bytes, got 1.5"),
+                                       (0.5, "size must be a whole number of bytes, got 0.5"),
+                                       (float("nan"), "size must be a finite number of bytes, got nan"),
+                                       (float("inf"), "size must be a finite number of bytes, got inf"),
+                                       ("2 Gb", "size '2 Gb' is in bits"), ("0.1", "size must be at least 1 byte")])
+def test_budget_bad_size(bad, says):
+    with pytest.raises(ValueError, match=says):
+        with lk.budget(bad):
             pass
+
+
+def _two_layers():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _backward_that_runs_out(model):
+    """A backward that stops half-way: the last layer's grads are in, the first layer's never come."""
+    h = model[0](torch.randn(4, 8))
+
+    def oom(grad):
+        raise torch.OutOfMemoryError()                   # an OOM with an empty message
+    h.register_hook(oom)
+    model[1](h).sum().backward()
+
+
+def test_oom_guard_clears_partial_grads_of_what_it_was_given(capsys):
+    model, opt = _two_layers()
+    with lk.oom_guard(model, opt) as guard:
+        _backward_that_runs_out(model)
+    assert guard.oom and guard.message == "OutOfMemoryError (no message)"
+    assert guard.cleared == 2 and all(p.grad is None for p in model.parameters())
+    assert "Cleared the partial .grad of 2 tensors" in capsys.readouterr().out
+    with lk.oom_guard() as guard:                        # not given the model: it says what may be left
+        _backward_that_runs_out(model)
+    assert guard.oom and model[1].weight.grad is not None
+    assert "parameters may hold partial .grads" in capsys.readouterr().out
+
+
+def test_oom_guard_catches_a_real_cpu_allocation_failure_and_is_reusable():
+    guard = lk.oom_guard(quiet=True)
+    with guard:
+        torch.empty(2**50, dtype=torch.uint8)            # 1 PiB: "DefaultCPUAllocator: can't allocate memory"
+    assert guard.oom and "allocate" in guard.message
+    with guard:
+        pass
+    assert not guard.oom and guard.message is None       # a new block starts clean
+    with pytest.raises(RuntimeError, match="unrelated"):
+        with guard:
+            raise RuntimeError("unrelated")
+
+
+def test_budget_exceeded_on_entry_leaves_nothing_registered(tiny_llama):
+    from torch.nn.modules import module
+    model, opt, step = tiny_llama
+    before = len(module._global_forward_pre_hooks), len(module._global_forward_hooks)
+    for _ in range(3):
+        with lk.oom_guard(quiet=True) as guard:
+            with lk.budget("64 KiB", model, opt):
+                step()
+        assert guard.oom and "exceeded before the block ran: what was passed in already holds" in guard.message
+        assert "after allocating" not in guard.message
+    assert (len(module._global_forward_pre_hooks), len(module._global_forward_hooks)) == before
 
 
 def test_requires(capsys):

@@ -137,3 +137,140 @@ def test_sparse_outputs_are_skipped_not_fatal():
         s = torch.eye(64).to_sparse()
         d = s.to_dense()
     assert mem.peak >= d.nbytes
+
+
+def _global_module_hooks():
+    from torch.nn.modules import module
+    return len(module._global_forward_pre_hooks) + len(module._global_forward_hooks)
+
+
+def _tiny_mlp():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    return model, torch.optim.AdamW(model.parameters(), foreach=False)
+
+
+def test_track_keeps_nothing_alive():
+    import gc
+    import weakref
+    hooks = _global_module_hooks()
+    model, opt = _tiny_mlp()
+    with lk.track(model, opt) as mem:
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+    alive = weakref.ref(model), weakref.ref(opt), weakref.ref(model[0].weight)
+    del model, opt
+    gc.collect()
+    assert [r() for r in alive] == [None, None, None]       # collected while `mem` lives
+    assert mem.peak > 0 and mem.max_parts["optimizer"] > 0
+    assert _global_module_hooks() == hooks
+
+
+def test_timeline_is_built_once_and_rebuilt_after_a_new_label(tiny_llama):
+    model, opt, step = tiny_llama
+    with lk.track(model, opt) as mem:
+        step()
+    for _ in range(3):
+        mem.peak_parts, mem.max_parts, mem.at("forward end"), mem.timeline, repr(mem)
+    assert mem._builds == 1
+    assert mem.timeline["total"].max() == mem.peak and sum(mem.peak_parts.values()) == mem.peak
+    mem.label(model, "other")                              # a new label: the next read rebuilds
+    assert mem.peak_parts["parameters"] == 0 and mem._builds == 2
+
+
+def test_budget_exceeded_on_entry_says_what_is_held_and_leaks_no_hooks():
+    model, opt = _tiny_mlp()
+    held = lk.fmt_bytes(sum(p.nbytes for p in model.parameters()))          # 129.25 KiB of weights
+    hooks = _global_module_hooks()
+    for _ in range(2):
+        with pytest.raises(torch.OutOfMemoryError, match=rf"budget 64.00 KiB exceeded before the block ran: "
+                           rf"what was passed in already holds {held} \(parameters {held}\)"):
+            with lk.track(model, opt, budget="64 KiB"):
+                pass
+    assert _global_module_hooks() == hooks
+
+
+def test_reading_the_model_output_cache_warns_nothing(monkeypatch):
+    from transformers.utils import generic
+    asked = []
+    original = generic.ModelOutput._replace_old_cache_name
+    monkeypatch.setattr(generic.ModelOutput, "_replace_old_cache_name",
+                        lambda self, key: (asked.append(key), original(self, key))[1])
+    model = lk.models.build("llama-2-7b", "tiny").eval()
+    with torch.no_grad(), lk.track(model) as mem:
+        out = model(input_ids=torch.randint(0, 4096, (1, 8)), use_cache=True)
+    assert "past_key_values" not in asked                  # the key transformers warns about
+    assert mem.at("end")["kv_cache"] == lk.kv_cache_bytes(model.config, 1, 8, "fp32")
+    del out
+
+
+def _compiled():
+    return torch.compile(lambda x: (x * 2).relu().sum(), backend="eager")   # fresh: Dynamo skips it for good
+
+
+def test_compiled_code_under_the_dispatch_tracker_is_refused():
+    f, x = _compiled(), torch.randn(1024)
+    with pytest.raises(RuntimeError, match=r"compiled code ran inside lk.track\(\).*backend='profiler'"):
+        with lk.track():
+            f(x)
+
+
+def test_profiler_backend_equals_dispatch_backend_in_eager(tiny_llama):
+    model, opt, step = tiny_llama
+    with lk.track(model, opt) as ref:
+        step()
+    with lk.track(model, opt, backend="profiler") as mem:
+        step()
+    assert mem.peak == ref.peak and mem.live == ref.live and mem.start == ref.start
+    assert mem.peak_parts == ref.peak_parts                 # to the byte, category by category
+    assert [t for _, t in mem.marks] == [t for _, t in ref.marks]
+    for mark in ("forward end", "step end", "end"):
+        assert mem.at(mark) == ref.at(mark)
+    assert abs(mem.max_parts["other"] - ref.max_parts["other"]) <= 4096   # the profiler also sees scalars
+
+
+def test_profiler_backend_counts_compiled_code():
+    f, x = _compiled(), torch.randn(256, 1024)               # 1 MiB in
+    f(x)                                                     # compiled here, outside any tracker
+    with lk.track(x, backend="profiler") as mem:
+        f(x)
+    assert mem.start == MiB and mem.peak >= 2 * MiB          # x and at least one 1 MiB intermediate
+    assert mem.live == MiB
+    with pytest.raises(ValueError, match="budget needs backend='dispatch'"):
+        lk.track(budget="1 GiB", backend="profiler")
+    with pytest.raises(ValueError, match="backend must be one of .*'nvml'"):
+        lk.track(backend="nvml")
+    with pytest.raises(ValueError, match="fake or meta tensors need backend='dispatch'"):
+        with lk.track(torch.empty(4, device="meta"), backend="profiler"):
+            pass
+
+
+def test_what_the_dispatch_tracker_cannot_see(capfd):
+    import threading
+    kept = []
+    for backend in ("dispatch", "profiler"):
+        born_before = torch.zeros(256)
+        with lk.track(backend=backend) as mem:
+            born_before.resize_(256 * 1024)                  # 1 MiB now, for a storage born before the block
+            other = threading.Thread(target=lambda: kept.append(torch.ones(256, 1024)))
+            other.start()
+            other.join()                                     # 1 MiB made by another thread
+        if backend == "dispatch":
+            assert mem.peak == 0                             # neither is seen (both said in the docstring)
+        else:
+            assert mem.peak == MiB                           # the profiler sees the resize_, not the thread
+    assert "unknown size" not in capfd.readouterr().err     # the profiler's one-time C++ note is dropped
+
+
+def test_profiler_backend_on_a_compiled_module_has_marks_and_warns_nothing():
+    import warnings
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    compiled, x = torch.compile(model, backend="eager"), torch.randn(8, 64)
+    compiled(x).sum().backward()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with lk.track(compiled, backend="profiler") as mem:
+            compiled(x).sum().backward()
+    assert [str(w.message) for w in said] == []             # not torch's note on global hooks
+    assert [t for _, t in mem.marks] == ["start", "forward", "forward end", "backward", "end"]
+    weights = sum(p.nbytes for p in model.parameters())
+    assert mem.at("start")["parameters"] == weights and mem.max_parts["gradients"] == weights

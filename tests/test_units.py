@@ -1,19 +1,33 @@
+from fractions import Fraction
+
+import numpy as np
 import pytest
 
 from labkit.units import GiB, MiB, fmt_bytes, parse_bytes
 
 
 @pytest.mark.parametrize("text, expected", [("64 MiB", 64 * MiB), ("2GiB", 2 * GiB), ("1.5 GB", 1_500_000_000),
-                                            ("512", 512), (1024, 1024), ("3 kib", 3072)])
+                                            ("512", 512), (1024, 1024), ("3 kib", 3072), ("2 gb", 2_000_000_000),
+                                            (np.int64(7), 7), (2e9, 2_000_000_000), ("1.5 KiB", 1536)])
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
 @pytest.mark.parametrize("bad, error", [("lots", ValueError), ("-1 GiB", ValueError), (0, ValueError),
-                                        (None, TypeError), (True, TypeError), ("2 parsecs", ValueError)])
+                                        (None, TypeError), (True, TypeError), ("2 parsecs", ValueError),
+                                        (1.5, ValueError), (0.5, ValueError), (float("nan"), ValueError),
+                                        (float("inf"), ValueError), ("1e400 GB", ValueError), ("0.5", ValueError),
+                                        ("2 Gb", ValueError), ("8 Mib", ValueError), (Fraction(1, 2), ValueError)])
 def test_parse_bytes_bad_input_names_argument(bad, error):
     with pytest.raises(error, match="budget"):
         parse_bytes(bad, "budget")
+
+
+def test_bits_are_refused_with_the_byte_units_to_write():
+    with pytest.raises(ValueError, match=r"size '2 Gb' is in bits \('Gb'\); .* write 'GB' .* or 'GiB'"):
+        parse_bytes("2 Gb")
+    with pytest.raises(ValueError, match=r"whole number of bytes, got 1.5"):
+        parse_bytes(1.5)
 
 
 def test_fmt_bytes():

@@ -2,18 +2,29 @@
 PY      ?= python3
 VENV    ?= .venv
 PYTHON  ?= $(VENV)/bin/python
-STAMP   := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
+# The lock: every package's version as verified by `make test` (see `make lock`); pip reads it as constraints.
+LOCK    := labkit/lock.txt
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 TORCH   := torch==2.13.0
 TESTENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 LABKIT_SIZE=tiny MPLBACKEND=Agg HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Two notebooks at a time, each file's tests (a notebook's cells: one kernel) in one worker.
+WORKERS ?= 2
+PYTEST  := -m pytest -n $(WORKERS) --dist loadfile -p no:cacheprovider
+NBVAL   := --nbval-lax --nbval-cell-timeout=300
+LOCKENV := build/lock-env
 
-.PHONY: env lab test test-unit test-notebooks test-gpu workbook student clean
+.PHONY: env lab test test-unit test-notebooks test-gpu workbook student bench lock clean
 
-# The environment: torch first (pinned, so nothing pulls another multi-GB build), then labkit and its extras.
-$(STAMP): pyproject.toml
+# The environment: torch first (pinned, so nothing pulls another multi-GB build), then labkit and its
+# extras, every package at the version the lock names.
+$(STAMP): pyproject.toml $(LOCK)
+	@test -x $(PYTHON) || $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11, 5))' || \
+	  { echo "$(PY) is $$($(PY) -V 2>&1); the locked versions need Python 3.11.5 or newer."; \
+	    echo "Run e.g. 'make $(or $(MAKECMDGOALS),env) PY=python3.12', or use environment.yml with conda."; exit 2; }
 	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
-	$(PYTHON) -m pip install -q --upgrade pip
-	$(PYTHON) -m pip install -q $(TORCH)
-	$(PYTHON) -m pip install -q -e '.[all]'
+	$(PYTHON) -m pip install -q -c $(LOCK) --upgrade pip
+	$(PYTHON) -m pip install -q -c $(LOCK) $(TORCH)
+	$(PYTHON) -m pip install -q -c $(LOCK) -e '.[all]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
 env: $(STAMP)
@@ -23,13 +34,13 @@ lab: env
 	HF_HUB_OFFLINE=1 $(VENV)/bin/jupyter lab notebooks/ $(if $(DISPLAY),,--no-browser) $(if $(filter 0,$(shell id -u)),--allow-root)
 
 test: env
-	$(TESTENV) $(PYTHON) -m pytest tests notebooks --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider
+	$(TESTENV) $(PYTHON) $(PYTEST) tests notebooks $(NBVAL)
 
 test-unit: env
-	$(TESTENV) $(PYTHON) -m pytest tests -p no:cacheprovider
+	$(TESTENV) $(PYTHON) $(PYTEST) tests
 
 test-notebooks: env
-	$(TESTENV) $(PYTHON) -m pytest notebooks --nbval-lax --nbval-cell-timeout=300 -p no:cacheprovider
+	$(TESTENV) $(PYTHON) $(PYTEST) notebooks $(NBVAL)
 
 # On a CUDA machine: every notebook at full size, plus the GPU-only checks in tests/test_gpu.py.
 test-gpu:
@@ -43,6 +54,29 @@ workbook: env
 
 student: env
 	$(PYTHON) -m labkit.cli student
+
+bench: env
+	$(TESTENV) $(PYTHON) benchmarks/estimate_table.py
+	$(TESTENV) $(PYTHON) benchmarks/track_overhead.py
+
+# A new lock: pyproject.toml resolved afresh (newest allowed versions) in a clean venv, frozen with torch
+# first and without local build labels (+cpu), then every test against it. Commit it only if this passes;
+# on failure the old lock comes back and the new one stays in build/lock.failed.txt.
+lock:
+	rm -rf $(LOCKENV) && $(PY) -m venv $(LOCKENV)
+	$(LOCKENV)/bin/python -m pip install -q --upgrade pip
+	$(LOCKENV)/bin/python -m pip install -q $(TORCH)
+	$(LOCKENV)/bin/python -m pip install -q -e '.[all]'
+	$(LOCKENV)/bin/python -m pip freeze --all --exclude-editable | sed 's/+[^ ]*$$//' > build/freeze.txt
+	cp $(LOCK) build/lock.old.txt
+	{ echo "# Every package's version, as installed by \`make lock\` and verified by \`make test\` on"; \
+	  $(LOCKENV)/bin/python -c "import platform, torch; print('#', platform.system(), platform.machine(), \
+	    'CPython', platform.python_version(), 'with torch', torch.__version__)"; \
+	  echo "# pip constraints (-c) for make and environment.yml; \`labkit doctor\` compares with it. Do not edit."; \
+	  grep '^torch==' build/freeze.txt; grep -v '^torch==' build/freeze.txt; } > $(LOCK)
+	$(TESTENV) $(LOCKENV)/bin/python $(PYTEST) tests notebooks $(NBVAL) \
+	  || { cp $(LOCK) build/lock.failed.txt; cp build/lock.old.txt $(LOCK); exit 1; }
+	@echo "$(LOCK) rewritten and verified: review \`git diff $(LOCK)\`, commit it, then \`make env\` installs it."
 
 clean:
 	rm -rf build .pytest_cache

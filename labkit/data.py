@@ -9,7 +9,11 @@ import torch
 
 __all__ = ["DATA_DIR", "text", "tokenizer", "hf_tokenizer", "tokens", "batches"]
 
-DATA_DIR = pathlib.Path(os.environ.get("LABKIT_DATA", pathlib.Path(__file__).resolve().parent.parent / "data"))
+_HERE = pathlib.Path(__file__).resolve().parent
+# A checkout reads data/ at the repository's root; an installed wheel carries the same files as labkit/_data/.
+_CHECKOUT = _HERE.parent / "data"
+DATA_DIR = pathlib.Path(os.environ.get("LABKIT_DATA")
+                        or (_CHECKOUT if (_CHECKOUT / "corpus.txt").exists() else _HERE / "_data"))
 
 
 def _file(name):

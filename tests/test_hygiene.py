@@ -81,15 +81,30 @@ def test_readme_lists_every_notebook_with_its_minutes():
         assert f"| {meta['minutes_tiny']} |" in row and f"| {meta['minutes_full']} |" in row, row
 
 
-def test_environment_yml_agrees_with_pyproject():
+def test_dependency_lists_agree_with_pyproject_and_the_lock():
+    """environment.yml lists pyproject's dependencies and installs the lock's pins, as the Makefile does;
+    every pin in the lock satisfies what pyproject asks for (else `make lock` is due)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+    from labkit.cli import read_lock
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = set(project["dependencies"])
     for extra, deps in project["optional-dependencies"].items():
         wanted |= {d for d in deps if not d.startswith("labkit")}
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
-    assert set(pip) - {"-e ."} == wanted
+    assert set(pip) - {"-e .", "-c labkit/lock.txt"} == wanted
     assert pip[0] == "torch==2.13.0", "torch first, pinned"
+    assert "-c labkit/lock.txt" in pip, "conda's pip installs the lock's versions"
+    makefile = (ROOT / "Makefile").read_text()
+    assert "LOCK    := labkit/lock.txt" in makefile and "TORCH   := torch==2.13.0" in makefile
+    installs = [l for l in makefile.split("$(STAMP):")[1].split("\n\n")[0].splitlines() if "pip install" in l]
+    assert len(installs) == 3 and all("-c $(LOCK)" in l for l in installs), installs
+    lock = read_lock(ROOT / "labkit" / "lock.txt")
+    for spec in map(Requirement, wanted):
+        name = spec.name.lower().replace("_", "-")
+        assert name in lock, f"the lock lacks {name}: run `make lock`"
+        assert Version(lock[name]) in spec.specifier, f"lock {name}=={lock[name]} breaks {spec}: run `make lock`"
 
 
 def test_ci_runs_the_readme_test_command():

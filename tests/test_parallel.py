@@ -1,13 +1,65 @@
 """Tensor and pipeline parallelism with 2 ranks (gloo on CPU, NCCL on GPUs), started by torchrun."""
+from fractions import Fraction
+
 import pytest
 import torch
 
-from labkit.parallel import launch
+from labkit.parallel import balanced_split, launch, replay
 
 
-def test_sharded_layers_match_the_unsharded_blocks():
-    # the script asserts outputs, input gradients and weight-gradient shards itself (rtol 1e-4)
-    r = launch("labkit.scripts.tensor_parallel", nproc=2, timeout=300)
+def bubbles(timeline):
+    step = max(end for stage in timeline for *_, end in stage)
+    return [1 - Fraction(sum(end - start for *_, start, end in stage), step) for stage in timeline]
+
+
+def gpipe(p, m):
+    return [[("F", c) for c in range(m)] + [("B", c) for c in range(m)] for _ in range(p)]
+
+
+def one_f_one_b(p, m):
+    orders = []
+    for s in range(p):
+        warm = min(p - 1 - s, m)
+        order = [("F", c) for c in range(warm)]
+        for c in range(m - warm):                       # steady state: one forward, one backward
+            order += [("F", warm + c), ("B", c)]
+        order += [("B", c) for c in range(m - warm, m)]
+        orders.append(order)
+    return orders
+
+
+@pytest.mark.parametrize("schedule", [gpipe, one_f_one_b])
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 8), (3, 5), (4, 4), (4, 16)])
+def test_replay_gives_the_bubble_formula_on_equal_stages(schedule, p, m):
+    timeline = replay(schedule(p, m), [{"F": 1, "B": 2}] * p)
+    assert bubbles(timeline) == [Fraction(p - 1, m + p - 1)] * p
+    for s, stage in enumerate(timeline):                # every chunk once, none overlapping on a stage
+        assert sorted((k, c) for k, c, *_ in stage) == sorted(schedule(p, m)[s])
+        assert all(a[3] <= b[2] for a, b in zip(stage, stage[1:]))
+
+
+def test_replay_respects_dependencies_and_rejects_bad_orders():
+    timeline = replay(gpipe(2, 1), [{"F": 1, "B": 2}, {"F": 3, "B": 4}])
+    assert timeline == [[("F", 0, 0, 1), ("B", 0, 8, 10)], [("F", 0, 1, 4), ("B", 0, 4, 8)]]
+    with pytest.raises(ValueError, match="deadlock"):
+        replay([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]], [{"F": 1, "B": 1}] * 2)
+    with pytest.raises(ValueError, match="chunk kind must be 'F' or 'B', got 'W' on stage 0"):
+        replay([[("W", 0)]], [{"F": 1, "B": 1}])
+
+
+def test_balanced_split():
+    assert balanced_split([1, 1, 1, 3.5], 2) == [(0, 3), (3, 4)]
+    assert balanced_split([1] * 8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert balanced_split([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]
+    assert balanced_split([2, 3], 1) == [(0, 2)]
+    for bad in (0, 3, 1.5):
+        with pytest.raises(ValueError, match=f"parts must be an int in \\[1, 2\\].*got {bad!r}"):
+            balanced_split([2, 3], bad)
+
+
+def test_sharded_layers_and_the_pipeline_in_one_torchrun():
+    # the scripts assert outputs, gradients and weight-gradient shards (rtol 1e-4) and the pipeline's loss
+    r, pp = launch(["labkit.scripts.tensor_parallel", "labkit.scripts.pipeline_parallel"], nproc=2, timeout=300)
     tokens, h = r["tokens"], r["hidden"]
     for block in ("mlp", "attention"):
         assert r[block]["param_bytes"] * 2 == r[block]["full_param_bytes"]        # 1/N per rank
@@ -16,9 +68,22 @@ def test_sharded_layers_match_the_unsharded_blocks():
     assert r["dtensor"]["loss"] == pytest.approx(r["dtensor"]["reference_loss"], abs=1e-5)
     assert r["dtensor"]["local_param_bytes"] < r["dtensor"]["full_param_bytes"]
 
+    rows = {(x["schedule"], x["m"], x["rank"]): x for x in pp["runs"]}
+    assert len(rows) == 2 * len(pp["microbatches"]) * 2
+    head, layer = pp["block_flops"][-1]["F"], pp["block_flops"][0]["F"]
+    assert head > layer and pp["split"][0][1] - pp["split"][0][0] > pp["split"][1][1] - pp["split"][1][0]
+    for (name, m, rank), x in rows.items():             # what the schedule ran, replayed in unit time
+        assert sorted(x["events"])[0][2] >= 0 and len(x["events"]) == 2 * m
+    for name in ("GPipe", "1F1B"):
+        for m in pp["microbatches"]:
+            orders = [[(k, c) for k, c, *_ in rows[(name, m, s)]["events"]] for s in range(2)]
+            assert bubbles(replay(orders, [{"F": 1, "B": 2}] * 2)) == [Fraction(1, m + 1)] * 2
+
 
 def test_launch_reports_a_failing_rank():
     with pytest.raises(RuntimeError, match="labkit.scripts.missing with 2 ranks failed"):
         launch("labkit.scripts.missing", nproc=2, timeout=120)
     with pytest.raises(ValueError, match="nproc must be a positive int, got 0"):
         launch("labkit.scripts.tensor_parallel", nproc=0)
+    with pytest.raises(ValueError, match="module must be a module name or a list of them, got 3"):
+        launch(3)

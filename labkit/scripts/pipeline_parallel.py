@@ -1,8 +1,12 @@
 """Pipeline parallelism on N ranks (torchrun -m labkit.scripts.pipeline_parallel): GPipe and 1F1B.
 
 A tiny Llama is split into one stage per rank (the embedding on the first, the norm and LM head on the
-last). For each schedule and number of micro-batches m, every rank records when its stage ran each
-forward and backward chunk and its peak memory; the last rank checks the loss against the unsplit model.
+last), the layers cut so that every stage does about the same forward FLOPs: the LM head weighs about
+two decoder layers here, so the last stage gets fewer layers. Rank 0 first counts each block's forward
+and backward FLOPs (FlopCounterMode). For each schedule and number of micro-batches m, every rank runs
+a warm-up step and then a recorded step with the same stage and schedule objects, logging when its
+stage ran each forward and backward chunk, in the order the schedule chose, and its peak memory; the
+last rank checks the loss against the unsplit model.
 """
 import time
 
@@ -10,9 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.flop_counter import FlopCounterMode
 
 import labkit as lk
-from labkit.parallel import init, write_result
+from labkit.parallel import balanced_split, finish, init, progress, write_result
 
 BATCH, SEQ = 16, 64
 MICROBATCHES = (2, 4, 8)
@@ -40,6 +45,35 @@ def loss_fn(logits, ids):                      # the causal LM loss transformers
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
+def flops(fn):
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def block_flops(model, ids):
+    """Forward and backward FLOPs of one sequence through each decoder layer and through norm + head + loss.
+
+    FlopCounterMode has no formula for the CPU flash-attention kernel: on a CPU the attention scores'
+    4·T²·h FLOPs per layer are left out (a few percent of a layer at T = 64); on a GPU they count."""
+    h = model.model.embed_tokens(ids).detach().requires_grad_()        # (1, T, h)
+    pe = model.model.rotary_emb(h, torch.arange(ids.shape[1], device=ids.device)[None])
+    blocks = [lambda x, layer=layer: layer(x, position_embeddings=pe, attention_mask=None) for layer in model.model.layers]
+    blocks.append(lambda x: loss_fn(model.lm_head(model.model.norm(x)), ids))
+    out = []
+    for block in blocks:
+        result = {}
+        y = None
+        def forward():
+            nonlocal y
+            y = block(h)
+        result["F"] = flops(forward)
+        result["B"] = flops(lambda: y.backward(torch.ones_like(y)))
+        out.append(result)
+    model.zero_grad(set_to_none=True)
+    return out                                                       # the embedding: a lookup, 0 FLOPs
+
+
 def timed(stage, events):
     """Record (kind, chunk, start, end) of each forward and backward chunk this stage runs."""
     for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
@@ -52,49 +86,59 @@ def timed(stage, events):
         setattr(stage, name, wrapper)
 
 
+def run_schedule(cls, m, module, ids, rank, world, dev):
+    """One warm-up step, then one recorded step, with the same stage and schedule: what training does."""
+    stage = PipelineStage(module, rank, world, dev)
+    schedule = cls(stage, n_microbatches=m, loss_fn=loss_fn)
+    events = []
+    timed(stage, events)
+    for step in ("warm-up", "recorded"):
+        events.clear()
+        losses = []
+        module.zero_grad(set_to_none=True)
+        dist.barrier()                                  # every rank starts the step together
+        with lk.track(module) as mem:
+            t0 = time.perf_counter()
+            if rank == 0:
+                schedule.step(ids)
+            elif rank == world - 1:
+                schedule.step(target=ids, losses=losses)
+            else:
+                schedule.step()
+            t1 = time.perf_counter()
+    return dict(schedule=cls.__name__.removeprefix("Schedule"), m=m, rank=rank, start=t0, total=t1 - t0,
+                busy=sum(e - s for _, _, s, e in events), events=[(k, c, s - t0, e - t0) for k, c, s, e in events],
+                peak=mem.peak, peak_activations=mem.max_parts["activations"],
+                loss=torch.stack(losses).mean().item() if losses else None)
+
+
 def main():
     dev = init()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     model = lk.models.build("llama-2-7b", "tiny", seed=0, num_hidden_layers=2 * world, device=dev)
-    per = model.config.num_hidden_layers // world
-    module = Stage(model, rank * per, (rank + 1) * per, rank == 0, rank == world - 1)
     ids = next(lk.data.batches(BATCH, SEQ, seed=0, device=dev))
     reference = model(input_ids=ids, labels=ids, use_cache=False).loss.item()
+    blocks = block_flops(model, ids[:1])
+    costs = [b["F"] for b in blocks[:-1]]
+    costs[-1] += blocks[-1]["F"]                        # the head sits with the last layer
+    split = balanced_split(costs, world)
+    lo, hi = split[rank]
+    module = Stage(model, lo, hi, rank == 0, rank == world - 1)
     runs = []
-    for name, cls in (("GPipe", ScheduleGPipe), ("1F1B", Schedule1F1B)):
+    for cls in (ScheduleGPipe, Schedule1F1B):
         for m in MICROBATCHES:
-            stage = PipelineStage(module, rank, world, dev)
-            schedule = cls(stage, n_microbatches=m, loss_fn=loss_fn)
-            for _ in range(2):                          # the first step warms up; the second is recorded
-                events, losses = [], []
-                timed(stage, events)
-                module.zero_grad(set_to_none=True)
-                dist.barrier()
-                with lk.track(module) as mem:
-                    t0 = time.perf_counter()
-                    if rank == 0:
-                        schedule.step(ids)
-                    elif rank == world - 1:
-                        schedule.step(target=ids, losses=losses)
-                    else:
-                        schedule.step()
-                    t1 = time.perf_counter()
-                stage = PipelineStage(module, rank, world, dev)   # fresh wrappers each time
-                schedule = cls(stage, n_microbatches=m, loss_fn=loss_fn)
+            r = run_schedule(cls, m, module, ids, rank, world, dev)
             if rank == world - 1:
-                loss = torch.stack(losses).mean().item()
-                assert abs(loss - reference) < 1e-5, (name, m, loss, reference)
-            busy = sum(e - s for _, _, s, e in events)
-            runs.append(dict(schedule=name, m=m, rank=rank, start=t0, total=t1 - t0, busy=busy,
-                             events=[(k, c, s - t0, e - t0) for k, c, s, e in events],
-                             peak=mem.peak, peak_activations=mem.max_parts["activations"]))
+                assert abs(r["loss"] - reference) < 1e-5, (r["schedule"], m, r["loss"], reference)
+            runs.append(r)
+            progress(f"pipeline, {world} stages: {r['schedule']} with {m} micro-batches recorded")
     gathered = [None] * world
     dist.gather_object(runs, gathered if rank == 0 else None, dst=0)
     if rank == 0:
         write_result(dict(world=world, microbatches=list(MICROBATCHES), reference_loss=reference,
-                          runs=[r for per_rank in gathered for r in per_rank]))
-    dist.destroy_process_group()
+                          block_flops=blocks, split=split, runs=[r for per_rank in gathered for r in per_rank]))
+    finish()
 
 
 if __name__ == "__main__":

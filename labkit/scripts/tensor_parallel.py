@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import labkit as lk
 from labkit.estimate import activation_bytes_per_token
-from labkit.parallel import init, COMM, ParallelAttention, ParallelMLP, write_result
+from labkit.parallel import finish, init, COMM, ParallelAttention, ParallelMLP, progress, write_result
 
 B, T = 4, 64
 # fp32 sums in a different order on each rank: agreement to ~1e-6 relative, so rtol 1e-4 is generous
@@ -48,6 +48,7 @@ def main():
     dev = init()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
+    progress(f"{world} ranks joined the process group ({dist.get_backend()})")
     model = lk.models.build("llama-2-7b", "tiny", seed=0, device=dev)
     cfg, layer = model.config, model.model.layers[0]
     x = torch.randn(B, T, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(dev)
@@ -71,6 +72,7 @@ def main():
     torch.testing.assert_close(attn.q.weight.grad, shard(layer.self_attn.q_proj.weight, 0), **TOL)
     torch.testing.assert_close(attn.o.weight.grad, shard(layer.self_attn.o_proj.weight, 1), **TOL)
     result["estimated_activation_bytes_per_token_unsharded"] = activation_bytes_per_token(cfg, T, "fp32")
+    progress(f"tensor parallel, {world} ranks: layer 0's MLP and attention match the unsharded blocks")
 
     # Part 2: PyTorch's own tensor parallelism on every layer, one optimizer step.
     mesh = init_device_mesh(dev.type, (world,))
@@ -101,9 +103,10 @@ def main():
         local += (p.to_local() if isinstance(p, DTensor) else p).nbytes
     result["dtensor"] = dict(loss=losses[0], reference_loss=losses[1], local_param_bytes=local,
                              full_param_bytes=sum(p.nbytes for p in ref.parameters()))
+    progress("parallelize_module: loss, gradients and weights after one AdamW step match")
     if rank == 0:
         write_result(result)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -80,7 +80,9 @@ def timeline(mem, ax=None, title="Live memory, op by op"):
         if text not in ("start", "end") and i - start - last > 0.03 * len(x):   # no overlapping labels
             last = i - start
             ax.axvline(last, color="grey", lw=0.6, ls=":")
-            ax.text(last, ax.get_ylim()[1] * 0.98, text, rotation=90, va="top", ha="right", fontsize=8)
+            # Near the bottom, on a light box: the top is where the peak marker and spikes sit.
+            ax.text(last, ax.get_ylim()[1] * 0.02, text, rotation=90, va="bottom", ha="right", fontsize=8,
+                    bbox=dict(facecolor="white", alpha=0.7, lw=0, pad=1))
     ax.set_xlabel("event (allocation or free)")
     ax.set_ylabel(unit)
     ax.set_title(title)

@@ -56,13 +56,19 @@ TINY = {
 TINY_VOCAB = 4096
 
 
-def config(name, size=None, **overrides):
-    """The transformers config of preset `name` at `size` ('tiny' | 'full'), with `overrides`."""
-    if name not in PRESETS:
-        raise ValueError(f"name must be one of {sorted(PRESETS)}, got {name!r}")
+def _name_and_size(name, table, size):
+    """Check a preset name against `table` and resolve `size` ('tiny' | 'full'; default: this machine's)."""
+    if name not in table:
+        raise ValueError(f"name must be one of {sorted(table)}, got {name!r}")
     size = size or _default_size()
     if size not in ("tiny", "full"):
         raise ValueError(f"size must be 'tiny' or 'full', got {size!r}")
+    return size
+
+
+def config(name, size=None, **overrides):
+    """The transformers config of preset `name` at `size` ('tiny' | 'full'), with `overrides`."""
+    size = _name_and_size(name, PRESETS, size)
     spec = dict(PRESETS[name])
     family = spec.pop("family")
     if size == "tiny":
@@ -170,11 +176,7 @@ FAMILY_CONFIGS = {
 
 def family_config(name, size=None, **overrides):
     """The transformers config of `name` in FAMILY_CONFIGS at `size` ('tiny' | 'full'), with `overrides`."""
-    if name not in FAMILY_CONFIGS:
-        raise ValueError(f"name must be one of {sorted(FAMILY_CONFIGS)}, got {name!r}")
-    size = size or _default_size()
-    if size not in ("tiny", "full"):
-        raise ValueError(f"size must be 'tiny' or 'full', got {size!r}")
+    size = _name_and_size(name, FAMILY_CONFIGS, size)
     import transformers as tf
     cls, full, tiny = FAMILY_CONFIGS[name]
     spec = dict(full)

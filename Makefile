@@ -12,8 +12,14 @@ WORKERS ?= 2
 PYTEST  := -m pytest -n $(WORKERS) --dist loadfile -p no:cacheprovider
 NBVAL   := --nbval-lax --nbval-cell-timeout=300
 LOCKENV := build/lock-env
+# How `make lab` starts JupyterLab (tests/browser reads these two lines): notebook 00 first; the project's
+# settings overrides (no news toast) and config (nbgrader's instructor tools off), not the user's own.
+LAB_ENV  := JUPYTER_CONFIG_PATH=$(CURDIR)/jupyter/config
+LAB_ARGS := --ServerApp.root_dir=notebooks --LabApp.default_url=/lab/tree/00_start_here.ipynb --LabApp.app_settings_dir=$(CURDIR)/jupyter/settings
+COURSE  := tests/course
+BROWSER := tests/browser
 
-.PHONY: env lab test test-unit test-notebooks test-gpu workbook student bench lock clean
+.PHONY: env lab test test-unit test-notebooks test-gpu test-course test-browser workbook student instructor bench lock clean
 
 # The environment: torch first (pinned, so nothing pulls another multi-GB build), then labkit and its
 # extras, every package at the version the lock names.
@@ -31,13 +37,13 @@ env: $(STAMP)
 
 lab: env
 	@echo "Starting JupyterLab on notebooks/ (open the URL it prints; Ctrl-C to stop)."
-	HF_HUB_OFFLINE=1 $(VENV)/bin/jupyter lab notebooks/ $(if $(DISPLAY),,--no-browser) $(if $(filter 0,$(shell id -u)),--allow-root)
+	HF_HUB_OFFLINE=1 $(LAB_ENV) $(VENV)/bin/jupyter lab $(LAB_ARGS) $(if $(DISPLAY),,--no-browser) $(if $(filter 0,$(shell id -u)),--allow-root)
 
 test: env
-	$(TESTENV) $(PYTHON) $(PYTEST) tests notebooks $(NBVAL)
+	$(TESTENV) $(PYTHON) $(PYTEST) tests notebooks $(NBVAL) --ignore=$(COURSE) --ignore=$(BROWSER)
 
 test-unit: env
-	$(TESTENV) $(PYTHON) $(PYTEST) tests
+	$(TESTENV) $(PYTHON) $(PYTEST) tests --ignore=$(COURSE) --ignore=$(BROWSER)
 
 test-notebooks: env
 	$(TESTENV) $(PYTHON) $(PYTEST) notebooks $(NBVAL)
@@ -54,6 +60,22 @@ workbook: env
 
 student: env
 	$(PYTHON) -m labkit.cli student
+
+instructor: env
+	$(PYTHON) -m labkit.cli instructor
+
+# The course as a workshop uses it: every student notebook runs top to bottom with its checks "not attempted",
+# and nbgrader's autograde gives the answer key full points (each notebook executed twice: about 15 minutes).
+test-course: env
+	$(TESTENV) PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PYTHON) $(PYTEST) $(COURSE)
+
+# JupyterLab driven in the system's Chromium (Debian: apt-get install -y chromium); Playwright's Python
+# package only, never a browser of its own. Screenshots in build/browser/.
+test-browser: env
+	@test -x /usr/bin/chromium || command -v chromium >/dev/null || \
+	  { echo "make test-browser drives the system Chromium: install it first (Debian/Ubuntu: sudo apt-get install -y chromium)."; exit 2; }
+	$(PYTHON) -m pip install -q -c $(LOCK) -e '.[browser]'
+	$(TESTENV) $(PYTHON) -m pytest -p no:cacheprovider -s $(BROWSER)
 
 bench: env
 	$(TESTENV) $(PYTHON) benchmarks/estimate_table.py

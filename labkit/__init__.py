@@ -2,6 +2,7 @@
 from . import data, models, paged, plot
 from .bench import Result, Table, compare, measure
 from .device import device, has, report, size
+from .exercise import exercise, nontrivial, reveal
 from .estimate import Estimate, estimate, kv_cache_bytes, param_count
 from .guard import budget, free, oom_guard, requires
 from .memory import CATEGORIES, track
@@ -15,12 +16,19 @@ __all__ = [
     "estimate", "Estimate", "param_count", "kv_cache_bytes",
     "oom_guard", "budget", "free", "requires",
     "measure", "compare", "Result", "Table",
+    "exercise", "nontrivial", "reveal",
     "record", "parse_bytes", "fmt_bytes", "KiB", "MiB", "GiB",
 ]
 
 
+# Imported on first use (`lk.alloc`, `lk.widgets`, ...): heavy or optional dependencies, and modules that
+# only some notebooks need.
+LAZY = {"widgets", "alloc", "leaks", "offload", "zero", "engines", "kernels", "profiling", "flash", "parallel",
+        "course"}
+
+
 def __getattr__(name):
-    if name == "widgets":                 # ipywidgets is heavy and optional: import on first use
+    if name in LAZY:
         import importlib
-        return importlib.import_module(".widgets", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")

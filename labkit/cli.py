@@ -6,12 +6,13 @@ import json
 import pathlib
 import re
 
+from .course import agenda, fill_agendas, instructor, strip_solutions, student
+
 __all__ = ["main", "readiness", "notebook_meta", "strip_solutions", "index_html", "read_lock", "lock_differences",
            "affects"]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS, BUILD = ROOT / "notebooks", ROOT / "build"
-BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 LOCK = pathlib.Path(__file__).resolve().parent / "lock.txt"     # every package's version, as verified
 
 
@@ -162,39 +163,6 @@ def doctor(lock=LOCK):
     return status
 
 
-def strip_solutions(source):
-    """A cell's source with each BEGIN/END SOLUTION block replaced by a stub for the student."""
-    out, inside, indent = [], False, ""
-    for line in source.splitlines():
-        if line.strip() == BEGIN:
-            inside, indent = True, line[: len(line) - len(line.lstrip())]
-            out.append(f"{indent}# YOUR CODE HERE")
-            out.append(f"{indent}raise NotImplementedError()")
-        elif line.strip() == END:
-            if not inside:
-                raise ValueError(f"{END!r} without {BEGIN!r} in:\n{source}")
-            inside = False
-        elif not inside:
-            out.append(line)
-    if inside:
-        raise ValueError(f"{BEGIN!r} without {END!r} in:\n{source}")
-    return "\n".join(out)
-
-
-def student(folder=NOTEBOOKS, dest=BUILD / "student"):
-    """Copies of the notebooks without solutions, in build/student/."""
-    import nbformat
-    dest = pathlib.Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    for path in sorted(pathlib.Path(folder).glob("[0-9][0-9]_*.ipynb")):
-        nb = nbformat.read(path, as_version=4)
-        for cell in nb.cells:
-            if cell.cell_type == "code":
-                cell.source = strip_solutions(cell.source)
-        nbformat.write(nb, dest / path.name)
-        print(f"student version: {dest / path.name}")
-
-
 def _figure(key, value):
     from .units import fmt_bytes
     if isinstance(value, str):
@@ -268,6 +236,12 @@ def main(argv=None):
     doc.add_argument("--lock", type=pathlib.Path, default=LOCK, help="the lock to compare with (default: %(default)s)")
     sub.add_parser("workbook", help="execute every notebook into build/executed and build/html")
     sub.add_parser("student", help="notebooks without solutions, into build/student")
+    sub.add_parser("instructor", help="the answer key as an nbgrader course folder, into build/course")
+    ag = sub.add_parser("agenda", help="a one- or two-day workshop agenda from the notebooks' measured minutes")
+    ag.add_argument("--days", type=int, default=1, choices=[1, 2])
+    ag.add_argument("--size", default="tiny", choices=["tiny", "full"])
+    ag.add_argument("--write", type=pathlib.Path, metavar="MARKDOWN",
+                    help="recompute the agenda blocks of this file in place (e.g. docs/instructor.md)")
     est = sub.add_parser("estimate", help="estimated memory of a model preset or of any config.json")
     est.add_argument("model", help="a preset (e.g. llama-2-7b), a family (e.g. mistral-7b) or a path to a config.json")
     est.add_argument("--seq", type=int, default=2048)
@@ -283,8 +257,14 @@ def main(argv=None):
         return doctor(args.lock)
     if args.command == "workbook":
         return workbook()
-    if args.command == "student":
-        student()
+    if args.command == "agenda":
+        if args.write:
+            args.write.write_text(fill_agendas(args.write.read_text(), args.size))
+        else:
+            print(agenda(args.days, args.size))
+        return 0
+    if args.command in ("student", "instructor"):
+        {"student": student, "instructor": instructor}[args.command]()
         return 0
     from .estimate import estimate, load_config
     from .models import FAMILY_CONFIGS, PRESETS, config, family_config

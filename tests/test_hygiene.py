@@ -107,8 +107,26 @@ def test_dependency_lists_agree_with_pyproject_and_the_lock():
         assert Version(lock[name]) in spec.specifier, f"lock {name}=={lock[name]} breaks {spec}: run `make lock`"
 
 
+def make_targets():
+    return set(re.findall(r"^([a-z][a-z-]*):", (ROOT / "Makefile").read_text(), re.M))
+
+
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "make test" in ci and "make test" in (ROOT / "README.md").read_text()
-    commands = [l for l in ci.splitlines() if l.strip() and not l.startswith("#")]
-    assert commands[-1].strip() == "make test"
+    assert "make test" in (ROOT / "README.md").read_text()
+    commands = [l.strip() for l in ci.splitlines() if l.strip().startswith("make ")]
+    assert commands[0] == "make test", "CI runs the README's test command first"
+    assert {"make test-browser", "make test-course"} <= set(commands)
+    assert {c.split()[1] for c in commands} <= make_targets()
+
+
+def test_workflow_names_only_make_targets_that_exist():
+    """The GitHub workflow: a CPU job and a self-hosted `gpu` job; every `make X` it runs is a target."""
+    flow = yaml.safe_load((ROOT / ".github" / "workflows" / "ci.yml").read_text())
+    jobs = flow["jobs"]
+    assert "gpu" in jobs["gpu"]["runs-on"] and "self-hosted" in jobs["gpu"]["runs-on"]
+    runs = [s["run"] for job in jobs.values() for s in job["steps"] if "run" in s]
+    named = {m for r in runs for m in re.findall(r"\bmake ([a-z][a-z-]*)", r)}
+    assert {"test", "test-gpu"} <= named and named <= make_targets(), named - make_targets()
+    artifacts = [s for s in jobs["gpu"]["steps"] if s.get("uses", "").startswith("actions/upload-artifact")]
+    assert artifacts and "build/records/" in artifacts[0]["with"]["path"]

@@ -3,7 +3,8 @@
 `track()` sees every tensor an op creates (a `TorchDispatchMode`), counts its storage once (views
 share storage), and subtracts it when the storage dies (a weak reference's callback). Every allocation
 and free is an event; the timeline is built from the events with each storage's *final* category, so a
-tensor born in backward that ends up as `param.grad` is a gradient for its whole life.
+tensor born in backward that ends up as `param.grad` is a gradient for its whole life. `trace` lists
+the same events as allocations and frees with sizes and categories, for `labkit.alloc.replay`.
 On CUDA the allocator's own peak (`torch.cuda.max_memory_allocated`) is read as well.
 
 What the dispatch-mode tracker cannot see (say so wherever it matters):
@@ -488,6 +489,28 @@ class Tracker(TorchDispatchMode):
         return list(zip(self._serials, self._deltas))
 
     _events = events          # the name it had before
+
+    @property
+    def trace(self):
+        """The allocation trace for `labkit.alloc.replay`: [(serial, +bytes, category) | (serial, -bytes, category)].
+
+        One entry per storage allocation and free, in order, each tagged with the storage's final category
+        (also under FakeTensorMode and on meta, where nothing is really allocated). A storage resized in
+        place appears as a new allocation of its new size for the same serial (on CUDA a resize allocates
+        the new block, copies, then frees the old one); zero-byte storages allocate nothing and are left out.
+        Built from the events when read: tracking itself pays nothing for it.
+        """
+        out, size, label = [], {}, self._label
+        for serial, delta in zip(self._serials, self._deltas):
+            cat = CATEGORIES[label[serial]]
+            now = size.get(serial, 0) + delta
+            if delta > 0 or serial in size and now > 0:          # a birth, or a resize to `now` bytes
+                if now > 0:
+                    size[serial] = now
+                    out.append((serial, now, cat))
+            elif serial in size:                                 # freed (or resized to nothing)
+                out.append((serial, -size.pop(serial), cat))
+        return out
 
     def _parts_now(self):
         sums = [0] * len(CATEGORIES)

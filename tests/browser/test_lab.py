@@ -93,14 +93,20 @@ def open_notebook(browser, base, name):
     return page
 
 
-def run_all(page):
+def run_all(page, name):
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
     page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
     t0 = time.time()
-    page.wait_for_function("""() => {
-        const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')];
-        return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
-    }""", timeout=RUN_TIMEOUT_S * 1000, polling=1000)
+    try:
+        page.wait_for_function("""() => {
+            const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')];
+            return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
+        }""", timeout=RUN_TIMEOUT_S * 1000, polling=1000)
+    except playwright.TimeoutError:
+        page.screenshot(path=str(SHOTS / f"{name.removesuffix('.ipynb')}_timeout.png"))
+        prompts = page.evaluate("() => [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')]"
+                                ".map(p => p.textContent)")
+        raise AssertionError(f"{name}: not every cell ran within {RUN_TIMEOUT_S} s; prompts {prompts}")
     page.locator(".jp-Notebook .jp-Cell").last.scroll_into_view_if_needed()
     return time.time() - t0
 
@@ -130,8 +136,8 @@ def test_first_screen_is_quiet_and_opens_start_here(browser, lab):
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_run_all_cells_without_an_error(browser, lab, name):
     page = open_notebook(browser, lab, name)
-    seconds = run_all(page)
     SHOTS.mkdir(parents=True, exist_ok=True)
+    seconds = run_all(page, name)
     page.screenshot(path=str(SHOTS / f"{name.removesuffix('.ipynb')}_run_all.png"))
     print(f"{name}: Run All Cells finished in {seconds:.0f} s")
     assert errors(page) == []

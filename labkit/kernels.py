@@ -1,0 +1,262 @@
+"""Two custom kernels for notebook 12: a blocked matmul in Triton, and a cross-entropy that never builds the logits.
+
+`matmul(a, b)` follows Triton's tutorial 03 (matrix multiplication): each program computes one
+BLOCK_M x BLOCK_N tile of C, walking K in BLOCK_K steps with `tl.dot`. Programs are numbered in
+*grouped* order (`grouped_pid`): GROUP_M tile-rows at a time, column by column, so that programs that
+run at the same moment share rows of A and columns of B, and those stay in the L2 cache.
+`blocks_loaded` counts what that buys.
+
+`linear_cross_entropy(hidden, weight, targets)` is `F.cross_entropy(hidden @ weight.T, targets)`
+without the N x V logits: rows go through in chunks, forward keeps only each row's log-sum-exp, and
+backward recomputes one chunk of logits at a time (a `torch.autograd.Function`). With `triton=True`
+the forward is one Triton kernel that fuses the matmul with an online log-sum-exp over vocabulary
+tiles (as FlashAttention does over keys), so not even a chunk of logits exists.
+
+On a CPU, Triton runs through its interpreter, chosen when triton is first imported: this module sets
+TRITON_INTERPRET=1 first when no CUDA device is present (as labkit/flash.py does). The interpreter
+computes `tl.dot` wrongly on 16-bit inputs, so there tiles are upcast to fp32 (UPCAST).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ImportError("triton was imported before labkit.kernels could choose its CPU interpreter: "
+                          "import labkit.kernels first, or start Python with TRITON_INTERPRET=1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:                               # triton is the optional "kernels" extra: the chunked cross-entropy needs only torch
+    import triton                  # noqa: E402  (after choosing the interpreter)
+    import triton.language as tl   # noqa: E402
+except ImportError:
+    triton = tl = None
+
+__all__ = ["matmul", "grouped_pid", "blocks_loaded", "linear_cross_entropy", "cross_entropy_reference",
+           "HAVE_TRITON", "INTERPRETED", "PRECISIONS"]
+
+HAVE_TRITON = triton is not None
+INTERPRETED = HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+_jit = triton.jit if HAVE_TRITON else (lambda fn: None)
+
+
+def _need_triton(what):
+    if not HAVE_TRITON:
+        raise ImportError(f"{what} needs triton (pip install triton, or labkit's 'kernels' extra)")
+PRECISIONS = ("ieee", "tf32")      # how tl.dot multiplies fp32 inputs on a GPU; Triton's default is "tf32"
+
+
+# ---- the grouped ordering, in plain Python (what the kernel computes from tl.program_id) ----------
+def grouped_pid(pid, num_pid_m, num_pid_n, group_m):
+    """The (tile row, tile column) that program `pid` computes in grouped order.
+
+    Programs walk down GROUP_M tile-rows, then move one tile-column right; the last group may have
+    fewer rows. With group_m=1 this is plain row-major order."""
+    for name, value in (("pid", pid), ("num_pid_m", num_pid_m), ("num_pid_n", num_pid_n), ("group_m", group_m)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "pid" else 1):
+            raise ValueError(f"{name} must be a {'non-negative' if name == 'pid' else 'positive'} int, got {value!r}")
+    if pid >= num_pid_m * num_pid_n:
+        raise ValueError(f"pid must be below num_pid_m * num_pid_n = {num_pid_m * num_pid_n}, got {pid}")
+    num_pid_in_group = group_m * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * group_m
+    group_size_m = min(num_pid_m - first_pid_m, group_m)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+def blocks_loaded(num_pid_m, num_pid_n, group_m, wave):
+    """Distinct tile-rows of A plus tile-columns of B that `wave` consecutive programs read, summed over
+    the waves: a count of what must come from DRAM when only one wave's inputs fit in the cache."""
+    if not isinstance(wave, int) or wave < 1:
+        raise ValueError(f"wave must be a positive int, got {wave!r}")
+    total, n = 0, num_pid_m * num_pid_n
+    for start in range(0, n, wave):
+        tiles = [grouped_pid(p, num_pid_m, num_pid_n, group_m) for p in range(start, min(start + wave, n))]
+        total += len({m for m, _ in tiles}) + len({c for _, c in tiles})
+    return total
+
+
+# ---- the blocked matmul --------------------------------------------------------------------------
+@_jit
+def _matmul_kernel(A, B, C, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n              # grouped order: see grouped_pid()
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak     # (BLOCK_M, BLOCK_K) tile of A
+    b_ptrs = B + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn     # (BLOCK_K, BLOCK_N) tile of B
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    c_ptrs = C + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def matmul(a, b, block_m=32, block_n=32, block_k=32, group_m=4, precision="ieee", num_warps=4, num_stages=3):
+    """a @ b for 2-D tensors by the blocked Triton kernel (fp32 accumulation, output in a's dtype).
+
+    precision: how tl.dot multiplies fp32 inputs on a GPU: "ieee" (true fp32) or "tf32" (Triton's own
+    default: 10-bit mantissa on tensor cores). Ignored for 16-bit inputs and under the interpreter.
+    num_warps, num_stages: the compiled kernel's launch options (the interpreter ignores them)."""
+    _need_triton("matmul")
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"a and b must be 2-D tensors, got {getattr(a, 'shape', a)!r} and {getattr(b, 'shape', b)!r}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"inner dimensions must agree, got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"a and b must share one dtype of fp32, fp16 or bf16, got {a.dtype} and {b.dtype}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if not isinstance(v, int) or v < 16 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {v!r}")
+    if not isinstance(group_m, int) or group_m < 1:
+        raise ValueError(f"group_m must be a positive int, got {group_m!r}")
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty((M, N), device=a.device, dtype=a.dtype)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    _matmul_kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                         c.stride(0), c.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                         GROUP_M=group_m, PRECISION=precision, UPCAST=INTERPRETED and a.dtype != torch.float32,
+                         **({} if INTERPRETED else {"num_warps": num_warps, "num_stages": num_stages}))
+    return c
+
+
+# ---- cross-entropy over a large vocabulary, without the logits -------------------------------------
+def cross_entropy_reference(hidden, weight, targets, ignore_index=-100):
+    """The plain version: all N x V logits, then F.cross_entropy (mean over targets != ignore_index)."""
+    return torch.nn.functional.cross_entropy((hidden @ weight.T).float(), targets, ignore_index=ignore_index)
+
+
+@_jit
+def _ce_fwd_kernel(H, W, T, LSE, TGT, N, V, D, stride_h, stride_w,
+                   BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    """Per row: log-sum-exp of hidden @ weight.T over the vocabulary, and the target's logit.
+    One program per BLOCK_M rows; vocabulary tiles stream through with a running max and sum."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    t = tl.load(T + rows, mask=row_ok, other=-1)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)     # running max of each row's logits
+    l_i = tl.zeros([BLOCK_M], tl.float32)                   # running sum of exp(logit - m_i)
+    tgt = tl.zeros([BLOCK_M], tl.float32)                   # the target's logit, once its tile passes
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        logits = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+        for d0 in range(0, D, BLOCK_D):                     # one (BLOCK_M, BLOCK_V) tile of logits
+            ds = d0 + tl.arange(0, BLOCK_D)
+            h = tl.load(H + rows[:, None] * stride_h + ds[None, :], mask=row_ok[:, None] & (ds[None, :] < D), other=0.0)
+            w = tl.load(W + cols[:, None] * stride_w + ds[None, :], mask=(cols[:, None] < V) & (ds[None, :] < D), other=0.0)
+            if UPCAST:
+                h, w = h.to(tl.float32), w.to(tl.float32)
+            logits = tl.dot(h, tl.trans(w), logits, input_precision="ieee")
+        logits = tl.where(cols[None, :] < V, logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, 1))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(logits - m_new[:, None]), 1)
+        m_i = m_new
+        tgt += tl.sum(tl.where(cols[None, :] == t[:, None], logits, 0.0), 1)
+    tl.store(LSE + rows, m_i + tl.log(l_i), mask=row_ok)
+    tl.store(TGT + rows, tgt, mask=row_ok)
+
+
+def _lse_and_target_triton(hidden, weight, targets, block_m=16, block_v=64, block_d=32):
+    N, D = hidden.shape
+    V = weight.shape[0]
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    lse = torch.empty(N, device=hidden.device, dtype=torch.float32)
+    tgt = torch.empty(N, device=hidden.device, dtype=torch.float32)
+    _ce_fwd_kernel[(triton.cdiv(N, block_m),)](
+        hidden, weight, targets.contiguous(), lse, tgt, N, V, D, hidden.stride(0), weight.stride(0),
+        BLOCK_M=block_m, BLOCK_V=block_v, BLOCK_D=block_d, UPCAST=INTERPRETED and hidden.dtype != torch.float32)
+    return lse, tgt
+
+
+def _lse_and_target_chunked(hidden, weight, targets, chunk):
+    lse = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
+    tgt = torch.empty_like(lse)
+    safe = targets.clamp(min=0)                             # ignored rows (-100) read column 0, then drop out
+    for s in range(0, hidden.shape[0], chunk):
+        logits = (hidden[s:s + chunk] @ weight.T).float()  # (chunk, V): the only logits alive
+        lse[s:s + chunk] = torch.logsumexp(logits, dim=-1)
+        tgt[s:s + chunk] = logits.gather(1, safe[s:s + chunk, None])[:, 0]
+        del logits
+    return lse, tgt
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of hidden @ weight.T; saves hidden, weight, targets and the (N,) log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, ignore_index, use_triton):
+        if use_triton:
+            lse, tgt = _lse_and_target_triton(hidden, weight, targets)
+        else:
+            lse, tgt = _lse_and_target_chunked(hidden, weight, targets, chunk)
+        keep = targets != ignore_index
+        count = keep.sum()
+        loss = torch.where(keep, lse - tgt, 0.0).sum() / count
+        ctx.save_for_backward(hidden, weight, targets, lse, keep, count)
+        ctx.chunk = chunk
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, targets, lse, keep, count = ctx.saved_tensors
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        scale = (grad_loss / count).float()
+        safe = targets.clamp(min=0)
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[s:s + ctx.chunk]
+            p = torch.exp((h @ weight.T).float() - lse[s:s + ctx.chunk, None])   # softmax, recomputed
+            p[torch.arange(p.shape[0], device=p.device), safe[s:s + ctx.chunk]] -= 1.0
+            p *= keep[s:s + ctx.chunk, None] * scale                              # d loss / d logits
+            if grad_h is not None:
+                grad_h[s:s + ctx.chunk] = (p.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_w is not None:
+                torch.addmm(grad_w, p.T, h.float(), out=grad_w)        # in place, no (V, D) temporary; FlopCounterMode
+                                                                       # counts addmm(out=), not addmm_
+            del p
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+
+
+def linear_cross_entropy(hidden, weight, targets, chunk=256, ignore_index=-100, triton=False):
+    """F.cross_entropy(hidden @ weight.T, targets) (mean over targets != ignore_index), forward and
+    backward, holding at most `chunk` rows of logits at a time (none at all in the forward with triton=True).
+
+    hidden (N, D), weight (V, D) (an LM head's weight), targets (N,) int64."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        raise ValueError(f"hidden must be a 2-D (tokens, hidden) tensor, got {getattr(hidden, 'shape', hidden)!r}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be a (vocab, {hidden.shape[1]}) tensor, got {getattr(weight, 'shape', weight)!r}")
+    if not isinstance(targets, torch.Tensor) or targets.shape != hidden.shape[:1] or targets.dtype != torch.long:
+        raise ValueError(f"targets must be an int64 tensor of shape ({hidden.shape[0]},), got "
+                         f"{getattr(targets, 'dtype', type(targets).__name__)} {tuple(getattr(targets, 'shape', ()))}")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int (rows of logits at a time), got {chunk!r}")
+    if triton:
+        _need_triton("linear_cross_entropy(triton=True)")
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, ignore_index, bool(triton))

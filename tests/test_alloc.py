@@ -1,0 +1,253 @@
+"""labkit.alloc: the caching-allocator model's rules, one by one, and its invariants under random traces."""
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from labkit.alloc import (Allocator, Config, allocation_size, parse_conf, replay, round_size,
+                          smallest_device)
+from labkit.units import KiB, MiB
+
+
+# ---- configuration --------------------------------------------------------------------------------
+def test_parse_conf_keys_values_and_errors():
+    c = parse_conf("max_split_size_mb:64, expandable_segments:True,garbage_collection_threshold:0.6")
+    assert (c.max_split_size, c.expandable_segments, c.garbage_collection_threshold) == (64 * MiB, True, 0.6)
+    assert parse_conf("") == Config(text="")
+    assert parse_conf("roundup_power2_divisions:4").roundup_power2_divisions == (4,) * 16
+    divs = parse_conf("roundup_power2_divisions:[256:4,512:2,>:1]").roundup_power2_divisions
+    assert divs[:9] == (4,) * 9 and divs[9] == 2 and divs[10:] == (1,) * 6
+    with pytest.raises(ValueError, match="Unrecognized key 'CUDA_MEMORY_POOL_TYPE'"):
+        parse_conf("CUDA_MEMORY_POOL_TYPE:round_robin")
+    with pytest.raises(ValueError, match="max_split_size_mb too small"):
+        parse_conf("max_split_size_mb:16")
+    with pytest.raises(ValueError, match="garbage_collection_threshold must be in"):
+        parse_conf("garbage_collection_threshold:1.5")
+    with pytest.raises(ValueError, match="expandable_segments must be True or False"):
+        parse_conf("expandable_segments:yes")
+    with pytest.raises(ValueError, match="power of 2"):
+        parse_conf("roundup_power2_divisions:3")
+    with pytest.raises(ValueError, match="needs a value"):
+        parse_conf("max_split_size_mb")
+    with pytest.raises(TypeError, match="conf must be"):
+        parse_conf(64)
+    with pytest.raises(ValueError, match="fraction needs device"):
+        Allocator(fraction=0.5)
+    with pytest.raises(ValueError, match="nbytes must be"):
+        Allocator().malloc(-1)
+    assert parse_conf("release_lock_on_cudamalloc:True") == Config(text="release_lock_on_cudamalloc:True")
+
+
+def test_rounding_and_segment_sizes():
+    assert round_size(1) == 512 and round_size(513) == 1024 and round_size(MiB + 1) == MiB + 512
+    d4 = parse_conf("roundup_power2_divisions:4")
+    assert round_size(1200 * KiB, d4) == 1280 * KiB           # the example in ALLOCATOR.md
+    assert round_size(4 * MiB, d4) == 4 * MiB                  # powers of two stay
+    assert round_size(5 * MiB + 1, d4) == 6 * MiB
+    assert round_size(1000, d4) == 1024                        # <= 512 x d: plain 512-byte rounding
+    assert allocation_size(512) == allocation_size(MiB) == 2 * MiB
+    assert allocation_size(MiB + 512) == allocation_size(10 * MiB - 512) == 20 * MiB
+    assert allocation_size(10 * MiB) == 10 * MiB and allocation_size(11 * MiB) == 12 * MiB
+
+
+# ---- the rules --------------------------------------------------------------------------------------
+def test_small_requests_share_a_2_mib_segment_large_ones_a_20_mib_one():
+    a = Allocator()
+    x, y = a.malloc(100), a.malloc(1000)
+    assert a.reserved == 2 * MiB and a.allocated == 512 + 1024 and y.ptr == x.ptr + 512
+    p, q = a.malloc(5 * MiB), a.malloc(5 * MiB)                 # one 20 MiB segment holds both
+    assert a.reserved == 22 * MiB and q.ptr == p.ptr + 5 * MiB and a.device_mallocs == 2
+    r = a.malloc(30 * MiB + 1)                                  # its own segment, rounded up to 2 MiB
+    assert a.reserved == 22 * MiB + 32 * MiB and r.size == 30 * MiB + 512
+    a.check()
+
+
+def test_large_split_needs_more_than_1_mib_left():
+    a = Allocator()
+    b = a.malloc(19 * MiB)                                      # 20 MiB segment, 1 MiB left: not split
+    assert b.size == 20 * MiB and b.next is None
+    c = a.malloc(11 * MiB - 100)                                # 12 MiB segment, ~1 MiB left: not split either
+    assert c.size == 12 * MiB
+
+
+def test_best_fit_takes_the_smallest_block_that_holds_the_request():
+    a = Allocator()
+    big, small = a.malloc(50 * MiB), a.malloc(30 * MiB)
+    a.free(big), a.free(small)
+    got = a.malloc(25 * MiB)
+    assert got.ptr == small.ptr and a.device_mallocs == 2      # from the 30 MiB block, no new malloc
+    a.check()
+
+
+def test_free_coalesces_neighbours_and_empty_cache_keeps_segments_with_live_blocks():
+    a = Allocator()
+    blocks = [a.malloc(4 * MiB) for _ in range(4)]              # one 20 MiB segment, 4 MiB left over
+    for b in (blocks[1], blocks[0], blocks[2]):
+        a.free(b)
+    free = [b for _, _, b in a.large.blocks]
+    assert sorted(b.size for b in free) == [4 * MiB, 12 * MiB]   # 0+1+2 merged; the tail stays apart
+    a.empty_cache()
+    assert a.reserved == 20 * MiB                               # blocks[3] pins the segment
+    a.free(blocks[3])
+    a.empty_cache()
+    assert a.reserved == 0 and a.device_frees == 1
+    a.check()
+
+
+def test_max_split_size_keeps_oversize_blocks_whole_and_for_large_requests():
+    a = Allocator("max_split_size_mb:64")
+    b = a.malloc(100 * MiB)
+    a.free(b)
+    s = a.malloc(30 * MiB)                                      # below max_split: may not take the 100 MiB block
+    assert s.ptr != b.ptr and a.reserved == 130 * MiB
+    c = a.malloc(90 * MiB)                                      # above: takes it whole, unsplit (10 MiB < 20)
+    assert c.ptr == b.ptr and c.size == 100 * MiB
+    a.free(c)
+    d = a.malloc(70 * MiB)                                      # 30 MiB too large (>= 20 MiB rounding): new segment
+    assert d.ptr != b.ptr
+
+
+def test_out_of_memory_path_frees_cached_segments_then_retries():
+    a = Allocator(device=100 * MiB)
+    x = a.malloc(60 * MiB)
+    a.free(x)                                                   # cached: reserved stays 60 MiB
+    y = a.malloc(70 * MiB)                                      # 60 + 70 > 100: release the cache, retry
+    assert a.retries == 1 and a.reserved == 70 * MiB and a.device_frees == 1
+    with pytest.raises(torch.OutOfMemoryError, match="tried to allocate 40.00 MiB"):
+        a.malloc(40 * MiB)
+    assert a.ooms == 1 and a.allocated == y.size
+    a.check()
+
+
+def test_garbage_collection_threshold_frees_old_segments_before_the_limit():
+    """Phases of 12 MiB then 30 MiB tensors under a 500 MiB device (ALLOCATOR.md's synthetic case)."""
+    trace, key = [], 0
+    for size, n in ((12 * MiB, 36), (30 * MiB, 10)):
+        for rep in range(3):
+            keys = list(range(key, key + n))
+            key += n
+            trace += [(k, size) for k in keys] + [(k, -size) for k in keys]
+    plain = replay(trace, "", device=500 * MiB, fraction=1.0)
+    gc = replay(trace, "garbage_collection_threshold:0.5", device=500 * MiB, fraction=1.0)
+    assert plain.ok and gc.ok
+    assert plain.retries >= 1 and gc.retries == 0
+    assert gc.peak_reserved < plain.peak_reserved
+    assert gc.allocator.gc_runs >= 1
+
+
+def test_memory_fraction_fails_early():
+    a = Allocator(device=100 * MiB, fraction=0.5)
+    a.malloc(40 * MiB)
+    with pytest.raises(torch.OutOfMemoryError, match="allowed 50.00 MiB"):
+        a.malloc(20 * MiB)
+
+
+def test_expandable_segments_map_pages_and_grow_in_place():
+    a = Allocator("expandable_segments:True")
+    x = a.malloc(30 * MiB)
+    assert a.reserved == 40 * MiB                               # two 20 MiB pages
+    y = a.malloc(30 * MiB)                                      # 10 MiB left mapped + one more page
+    assert y.ptr == x.ptr + 30 * MiB and a.reserved == 60 * MiB
+    a.free(x), a.free(y)
+    a.empty_cache()
+    assert a.reserved == 0
+    a.check()
+
+
+def test_growing_batch_default_wastes_expandable_does_not():
+    """The note on expandable segments in CUDACachingAllocator.cpp: each larger batch needs new segments."""
+    trace, key = [], 0
+    for batch in range(8, 17, 2):
+        keys = list(range(key, key + 24))
+        key += 24
+        trace += [(k, batch * 3 * MiB) for k in keys] + [(k, -1) for k in keys]
+    default, exp = replay(trace, ""), replay(trace, "expandable_segments:True")
+    assert default.peak_allocated == exp.peak_allocated == 24 * 16 * 3 * MiB
+    assert default.peak_reserved > default.peak_allocated * 1.1
+    assert 0 <= exp.peak_reserved - exp.peak_allocated < 20 * MiB  # at most the last page's unused part
+
+
+def test_resize_allocates_new_then_frees_old():
+    r = replay([(1, 10 * MiB), (1, 20 * MiB), (1, -20 * MiB)], "")
+    assert r.peak_allocated == 30 * MiB and r.allocated[-1] == 0
+
+
+def test_snapshot_is_read_by_memory_viz_offline():
+    from torch.cuda import _memory_viz
+    a = Allocator()
+    keep = [a.malloc(s) for s in (100, 5 * MiB, 30 * MiB)]
+    a.free(keep[1])
+    snap = a.snapshot()
+    text = _memory_viz.segsum(snap)
+    assert "segments: 3" in text and "total_reserved: 52.0MiB" in text
+    tr = _memory_viz.trace(snap)
+    assert "cudaMalloc" in tr and "del " in tr
+    e = Allocator("expandable_segments:True")
+    x, y, z = (e.malloc(30 * MiB) for _ in range(3))           # pages mapped: 0-40, 40-60, 60-100 MiB
+    assert e.reserved == 100 * MiB and y.ptr == x.ptr + 30 * MiB
+    e.free(y)                                                   # free 30-60: only the page 40-60 is whole
+    e.empty_cache()
+    snap = e.snapshot()                                         # one segment per mapped range, as PyTorch reports
+    assert [s["total_size"] for s in snap["segments"]] == [40 * MiB, 40 * MiB] and e.reserved == 80 * MiB
+    assert all(s["is_expandable"] for s in snap["segments"])
+    assert "total_reserved: 80.0MiB" in _memory_viz.segsum(snap)
+    e.check()
+
+
+def test_replay_work_is_one_search_per_allocation_and_smallest_device_bisects():
+    import random
+    rng, trace, live = random.Random(0), [], []
+    for i in range(10_000):
+        if live and rng.random() < 0.5:
+            trace.append((live.pop(rng.randrange(len(live))), -1))
+        else:
+            trace.append((i, rng.choice([rng.randint(1, MiB), rng.randint(MiB, 40 * MiB)])))
+            live.append(i)
+    r = replay(trace, "")
+    n_alloc = sum(1 for _, n in trace if n > 0)
+    assert r.ok and r.searches == n_alloc and len(r.reserved) == len(trace)
+    small = [(k, n) for k, n in trace[:2000]]
+    dev = smallest_device(small, "")
+    assert replay(small, "", device=dev).ok and not replay(small, "", device=dev - 2 * MiB).ok
+
+
+# ---- invariants, property-tested ------------------------------------------------------------------
+CONFS = ["", "max_split_size_mb:24", "roundup_power2_divisions:4", "expandable_segments:True",
+         "garbage_collection_threshold:0.5"]
+sizes = st.one_of(st.integers(1, 4 * KiB), st.integers(1, 2 * MiB), st.integers(2 * MiB, 64 * MiB))
+ops = st.lists(st.one_of(st.tuples(st.just("malloc"), sizes), st.tuples(st.just("free"), st.integers(0, 50)),
+                         st.tuples(st.just("empty"), st.just(0))), max_size=60)
+
+
+def _layout(a):
+    return sorted((s["address"], s["total_size"], tuple((b["address"], b["size"], b["state"]) for b in s["blocks"]))
+                  for s in a.snapshot()["segments"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conf=st.sampled_from(CONFS), device_mib=st.sampled_from([None, 96, 200]), ops=ops)
+def test_invariants_hold_and_a_failed_allocation_changes_only_the_cache(conf, device_mib, ops):
+    device = None if device_mib is None else device_mib * MiB
+    a = Allocator(conf, device=device, fraction=None if device is None else 1.0, history=False)
+    live = []
+    for op, arg in ops:
+        if op == "malloc":
+            before = copy.deepcopy(a)
+            try:
+                live.append(a.malloc(arg))
+            except torch.OutOfMemoryError:
+                before.empty_cache()                   # what the out-of-memory path may release, and nothing else
+                assert _layout(a) == _layout(before)
+                assert a.allocated == before.allocated and a.reserved == before.reserved
+        elif op == "free" and live:
+            a.free(live.pop(arg % len(live)))
+        elif op == "empty":
+            a.empty_cache()
+        a.check()
+        assert a.reserved >= a.allocated and (device is None or a.reserved <= device)
+    for b in live:
+        a.free(b)
+    a.empty_cache()
+    assert a.reserved == 0 and a.allocated == 0

@@ -1,0 +1,84 @@
+"""labkit.leaks: four planted leaks are found with what holds them; a correct loop shows no growth."""
+import pytest
+import torch
+
+from labkit import leaks
+
+torch.manual_seed(0)
+MODEL = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+X = torch.randn(32, 64)
+OUT_BYTES = 32 * 4                           # one output: 32 x 1 fp32
+
+total = torch.zeros(())
+outputs = []
+callbacks = []
+
+
+def correct_step():
+    with torch.no_grad():
+        loss = MODEL(X).mean()
+    return loss.item()
+
+
+def leak_sum_loss_with_grad():               # an eval loop that sums loss without no_grad
+    global total
+    total = total + MODEL(X).mean()
+
+
+def leak_append_outputs():
+    outputs.append(MODEL(X))
+
+
+def leak_closure():
+    h = MODEL(X)
+    callbacks.append(lambda: h.mean())
+
+
+def leak_cycle():
+    node = {"out": MODEL(X)}
+    node["self"] = node                      # a reference cycle: only gc.collect() frees it
+
+
+def test_correct_loop_shows_no_growth():
+    r = leaks.find(correct_step, steps=3)
+    assert r.growth_per_step == 0 and not r.grows and r.survivors == [] and r.cycle_bytes_per_step == 0
+    assert "nothing survives" in str(r)
+
+
+def test_eval_loop_without_no_grad_keeps_graphs_alive():
+    r = leaks.find(leak_sum_loss_with_grad, steps=3)
+    assert r.grows and r.growth_per_step >= 32 * 256 * 4       # the saved ReLU output, every step
+    graph = [s for s in r.survivors if s.saved_for_backward]
+    assert graph and "autograd graph" in graph[0].holder and "'total'" in graph[0].holder
+    assert all("test_leaks.py" in s.line for s in r.survivors)
+
+
+def test_appended_outputs_are_held_by_the_list():
+    outputs.clear()
+    r = leaks.find(leak_append_outputs, steps=3)
+    assert r.grows
+    top = next(s for s in r.survivors if "outputs.append" not in s.holder and "'outputs'" in s.holder)
+    assert "list" in top.holder and "leak_append_outputs" in top.line
+    outputs.clear()
+
+
+def test_closure_over_a_tensor_is_found_through_the_cell():
+    callbacks.clear()
+    r = leaks.find(leak_closure, steps=3)
+    assert r.grows
+    held = [s for s in r.survivors if "'callbacks'" in s.holder]
+    assert held and "closure cell" in held[0].holder and "function" in held[0].holder
+    callbacks.clear()
+
+
+def test_reference_cycle_is_freed_only_by_gc_collect():
+    r = leaks.find(leak_cycle, steps=3)
+    assert r.growth_per_step == 0 and r.survivors == []
+    assert r.cycle_bytes_per_step >= OUT_BYTES
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="step must be a callable"):
+        leaks.find(3)
+    with pytest.raises(ValueError, match="steps must be an int >= 2"):
+        leaks.find(correct_step, steps=1)

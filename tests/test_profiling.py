@@ -1,0 +1,112 @@
+"""labkit.profiling: a training step under torch.profiler, read back: the categorised memory timeline
+against lk.track's, operators counted, ranges, and the Python line behind a planted slowdown."""
+import json
+
+import pytest
+import torch
+
+import labkit as lk
+from labkit import profiling
+
+
+@pytest.fixture(scope="module")
+def step():
+    model = lk.models.build("llama-2-7b", "tiny")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    ids = next(lk.data.batches(2, 32))
+    norms = []
+
+    def log_grad_norms():                     # the planted slowdown: one .item() per parameter
+        for p in model.parameters():
+            norms.append(p.grad.norm().item())
+
+    def run(slow=False):
+        with torch.profiler.record_function("forward"):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        with torch.profiler.record_function("backward"):
+            loss.backward()
+        if slow:
+            log_grad_norms()
+        with torch.profiler.record_function("optimizer step"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    run()                                     # AdamW's state exists from here on
+    return model, opt, run
+
+
+@pytest.fixture(scope="module")
+def profiled(step, tmp_path_factory):
+    model, opt, run = step
+    with lk.track(model, opt) as mem:
+        run()
+    trace = tmp_path_factory.mktemp("trace") / "sub" / "step.json"
+    return mem, profiling.run(run, trace=trace)
+
+
+def test_timeline_at_the_peak_agrees_with_track(profiled):
+    mem, prof = profiled
+    assert abs(prof.peak - mem.peak) <= 0.01 * mem.peak
+    parts = prof.peak_parts()
+    assert set(parts) == set(lk.CATEGORIES)
+    for c in lk.CATEGORIES:
+        assert abs(parts[c] - mem.peak_parts[c]) <= 0.01 * mem.peak, c
+    assert parts["optimizer"] == mem.peak_parts["optimizer"] > 0
+    raw = prof.peak_parts(raw=True)
+    assert sum(raw.values()) == prof.peak and "OPTIMIZER_STATE" in raw
+
+
+def test_trace_top_and_counts(step, profiled):
+    model, _, _ = step
+    _, prof = profiled
+    events = json.loads(prof.trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::mm" for e in events)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert prof.calls("aten::mm") == 3 * linears           # forward, grad of input, grad of weight
+    for by, key in (("time", "self_time_s"), ("memory", "self_bytes"), ("count", "calls")):
+        rows = prof.top(by, 5)
+        assert len(rows) == 5 and [r[key] for r in rows] == sorted((r[key] for r in rows), reverse=True)
+        assert not any(".py(" in r["name"] for r in rows)     # operators, not Python frames
+    assert any(".py(" in r["name"] for r in prof.top("time", 50, python=True))
+
+
+def test_ranges(step, profiled):
+    model, _, _ = step
+    _, prof = profiled
+    r = prof.ranges(["forward", "backward", "optimizer step"])
+    assert all(row["calls"] == 1 and row["time_s"] > 0 for row in r.values())
+    assert r["forward"]["net_bytes"] > 0                         # activations kept for backward
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert r["optimizer step"]["net_bytes"] == -params           # zero_grad(set_to_none) frees the grads
+    assert max(row["peak_bytes"] for row in r.values()) == prof.peak
+    with pytest.raises(ValueError, match="no range named 'nowhere'"):
+        prof.ranges(["nowhere"])
+    with pytest.raises(TypeError, match="names must be a list"):
+        prof.ranges("forward")
+
+
+def test_sources_name_the_planted_slowdown(step):
+    model, _, run = step
+    clean = profiling.run(run, memory=False, shapes=False)
+    slow = profiling.run(lambda: run(slow=True), memory=False, shapes=False)
+    n = len(list(model.parameters()))
+    assert slow.calls("aten::item") - clean.calls("aten::item") == n
+    by_user = {}
+    for (inner, user), calls in slow.sources("aten::item").items():
+        key = user.split(": ")[-1] if user else None
+        by_user[key] = by_user.get(key, 0) + calls
+    assert by_user["log_grad_norms"] == n
+    with pytest.raises(ValueError, match="categorised timeline needs"):
+        slow.memory_timeline()
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        profiling.run(3)
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        profiling.run(lambda: None, steps=0)
+    prof = profiling.run(lambda: torch.ones(3).sum(), stack=False)
+    with pytest.raises(ValueError, match="by must be one of"):
+        prof.top("bytes")
+    with pytest.raises(ValueError, match="needs the Python frames"):
+        prof.sources("aten::sum")

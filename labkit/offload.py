@@ -1,0 +1,439 @@
+"""Offloading, counted: activations to the host, to disk or to bf16; Adam's state on the host; bandwidth.
+
+Notebook 04 teaches these; the tests check them. Every mover counts the bytes it moves, so a notebook
+asserts bytes (exact) and only prints seconds (a shared CPU's clock is noise).
+
+What "device" and "host" mean here. On a GPU: GPU memory and CPU memory. On a CPU-only machine both are
+the same RAM, so we define them by who owns the memory: the *device* is what `lk.track` counts (torch
+storages); the *host* is memory outside torch (numpy buffers, files). Moving a tensor to the host is
+then a real copy out of torch's books, exactly as a GPU-to-CPU copy leaves the GPU's.
+
+- `ActivationOffload(to="host" | "disk" | "bf16")`: `torch.autograd.graph.saved_tensors_hooks` whose
+  pack moves each tensor that autograd saves for backward, and whose unpack brings it back.
+- `HostAdam`: AdamW whose moments and fp32 master weights live on the host, and whose update is computed
+  there (ZeRO-Offload's idea, Ren et al. 2021); the device holds only the weights and gradients.
+- `bandwidth(route)`: measured bytes per second of one copy route.
+- `CrossDeviceCopies`: counts the bytes that copies move between two different devices (the seed's
+  `Swapper`, accelerate's `cpu_offload` on a GPU).
+- `Swapper`: the seed material's module (`x.cuda()`, the layer, `.cpu()`), kept to be measured.
+- `count_weight_reads(model)`: the bytes accelerate's offload hooks load per forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import pathlib
+import statistics
+import time
+import weakref
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .units import parse_bytes
+
+__all__ = ["ActivationOffload", "HostAdam", "bandwidth", "ROUTES", "CrossDeviceCopies", "Swapper",
+           "count_weight_reads", "to_host", "from_host"]
+
+TARGETS = ("host", "disk", "bf16")
+
+
+def to_host(t):
+    """A copy of `t`'s values in a numpy byte buffer (memory outside torch): (buffer, dtype, shape)."""
+    buf = np.empty(t.numel() * t.element_size(), dtype=np.uint8)
+    if buf.size:
+        torch.from_numpy(buf).view(t.dtype).view(t.shape).copy_(t)   # from_numpy: no new torch storage
+    return buf, t.dtype, tuple(t.shape)
+
+
+def from_host(buf, dtype, shape, like=None, device="cpu"):
+    """A new torch tensor (device memory) holding the bytes in `buf`, with `like`'s strides when dense."""
+    if like is not None and _dense(like):
+        out = torch.empty_strided(shape, like.stride(), dtype=dtype, device=device)
+    else:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    if buf.size:
+        out.copy_(torch.from_numpy(buf).view(dtype).view(shape))
+    return out
+
+
+def _dense(t):
+    """True when `t`'s elements fill a storage span without gaps or overlap (then its strides can be kept)."""
+    if t.numel() == 0:
+        return True
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, n in dims:
+        if stride != expected:
+            return False
+        expected *= n
+    return True
+
+
+class _Strides:
+    """Sizes and strides of a packed tensor, enough to rebuild it as it was."""
+    __slots__ = ("shape", "_stride")
+
+    def __init__(self, t):
+        self.shape, self._stride = tuple(t.shape), tuple(t.stride())
+
+    def stride(self):
+        return self._stride
+
+    def numel(self):
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class _OnDisk:
+    """One tensor in a file; the file is removed when autograd drops the saved tensor."""
+
+    def __init__(self, path, dtype, like):
+        self.path, self.dtype, self.like = path, dtype, like
+
+    def __del__(self):
+        with contextlib.suppress(OSError):
+            os.remove(self.path)
+
+
+class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Move what autograd saves for backward out of device memory, and back when backward needs it.
+
+        with ActivationOffload("host", keep=model) as off:
+            loss = model(ids, labels=ids).loss          # each saved tensor is packed (moved out)
+        loss.backward()                                  # ... and unpacked (moved back) when used
+        off.bytes_out, off.bytes_in                      # exact byte counts
+
+    to: "host" (a numpy buffer), "disk" (a file in `folder`), "bf16" (an fp32 tensor kept as bf16 on the
+    device: half the bytes, lossy: relative error at most 2**-9 per element, round to nearest).
+    keep: modules or tensors whose storages stay where they are (the weights: moving a parameter copies
+    it every time an op saves it, and the device keeps it anyway). Also kept: integer and bool tensors
+    (indices, labels, masks: packing the labels as floats would corrupt the loss; bf16 cannot hold them
+    exactly) and tensors under `min_bytes` (not worth a copy). `kept` counts what stayed.
+    Each op saves its own reference, so the same tensor reaches pack once per op that saves it. Packing
+    it twice would move its bytes twice (and for bf16 store two half-size copies: no saving at all);
+    so a tensor already packed while it lives is not packed again (`shared` counts those).
+    """
+
+    def __init__(self, to="host", keep=(), min_bytes=1024, folder=None):
+        if to not in TARGETS:
+            raise ValueError(f"to must be one of {TARGETS}, got {to!r}")
+        if to == "disk" and folder is None:
+            raise ValueError("folder must name a directory for to='disk', got None")
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
+        self.to, self.min_bytes = to, min_bytes
+        self.folder = None if folder is None else pathlib.Path(folder)
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        self._keep = {t.untyped_storage().data_ptr() for t in _tensors(keep)}
+        self._serial = itertools.count()
+        self.bytes_out = self.bytes_in = 0       # bytes written to the target / read back from it
+        self.offloaded_bytes = 0                 # bytes of the tensors that were packed, as the device held them
+        self.packs = self.unpacks = self.shared = 0
+        self._packed = {}                        # (storage id, view, version) -> packed, while the storage lives
+        self.kept = self.kept_bytes = 0
+        self.seconds_out = self.seconds_in = 0.0
+        super().__init__(self.pack, self.unpack)
+
+    def offloads(self, t):
+        """Whether `t` is moved (True) or kept as it is (False), by the rules in the class docstring."""
+        if not t.is_floating_point() or t.numel() * t.element_size() < self.min_bytes:
+            return False
+        if self.to == "bf16" and t.dtype != torch.float32:
+            return False
+        return t.untyped_storage().data_ptr() not in self._keep
+
+    def pack(self, t):
+        if not self.offloads(t):
+            self.kept += 1
+            self.kept_bytes += t.numel() * t.element_size()
+            return t
+        st = t.untyped_storage()
+        key = (id(st), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+        hit = self._packed.get(key)
+        if hit is not None and hit[0]() is st:
+            self.shared += 1
+            return hit[1]
+        start = time.perf_counter()
+        self.packs += 1
+        self.offloaded_bytes += t.numel() * t.element_size()
+        if self.to == "bf16":
+            packed = (t.to(torch.bfloat16),)            # a tuple: kept tensors come back as they are
+            self.bytes_out += packed[0].numel() * packed[0].element_size()
+        else:
+            buf, dtype, _ = to_host(t)
+            packed = (buf, dtype, _Strides(t), t.device)
+            if self.to == "disk":
+                path = self.folder / f"saved_{os.getpid()}_{next(self._serial)}.bin"
+                buf.tofile(path)
+                packed = (_OnDisk(path, dtype, _Strides(t)), t.device)
+                self.bytes_out += os.path.getsize(path)
+            else:
+                self.bytes_out += buf.nbytes
+        self._packed[key] = (weakref.ref(st, lambda _, k=key: self._packed.pop(k, None)), packed)
+        self.seconds_out += time.perf_counter() - start
+        return packed
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed                            # kept
+        start = time.perf_counter()
+        self.unpacks += 1
+        if self.to == "bf16":
+            self.bytes_in += packed[0].numel() * packed[0].element_size()
+            out = packed[0].to(torch.float32)
+        elif self.to == "disk":
+            disk, device = packed
+            buf = np.fromfile(disk.path, dtype=np.uint8)
+            self.bytes_in += buf.nbytes
+            out = from_host(buf, disk.dtype, disk.like.shape, disk.like, device)
+        else:
+            buf, dtype, like, device = packed
+            self.bytes_in += buf.nbytes
+            out = from_host(buf, dtype, like.shape, like, device)
+        self.seconds_in += time.perf_counter() - start
+        return out
+
+    def __exit__(self, *exc):
+        self._packed.clear()       # sharing is within one block; after it only autograd holds what was packed
+        return super().__exit__(*exc)
+
+    def __repr__(self):
+        return (f"<ActivationOffload to={self.to}: {self.packs} packed ({self.offloaded_bytes:,} B), "
+                f"{self.bytes_out:,} B out, {self.bytes_in:,} B back, {self.shared} shared, {self.kept} kept>")
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, torch.nn.Module):
+        yield from obj.parameters()
+        yield from obj.buffers()
+    elif isinstance(obj, (list, tuple, set)):
+        for o in obj:
+            yield from _tensors(o)
+    elif obj is not None:
+        raise TypeError(f"keep must be modules or tensors (or a list of them), got {type(obj).__name__}")
+
+
+class HostAdam(torch.optim.Optimizer):
+    """AdamW with its state on the host and the update computed there (ZeRO-Offload, Ren et al. 2021).
+
+    The host keeps, per parameter, an fp32 master copy and Adam's two moments (numpy arrays: 12 bytes per
+    parameter that the device no longer holds). A step copies each gradient to the host, updates there,
+    and copies the new weights back: `bytes_to_host` and `bytes_to_device` count both directions (each
+    `numel x element size` per parameter and step). The arithmetic is torch's AdamW (decoupled weight
+    decay, bias correction) in numpy float32; it agrees with `torch.optim.AdamW` to float32 rounding,
+    not bit for bit (numpy and torch order and fuse the operations differently).
+    DeepSpeed's `DeepSpeedCPUAdam` is the production version (a vectorised C++ kernel, overlapped copies).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise TypeError(f"params must be float32 (the host master copy is fp32), got {p.dtype}")
+        self.host = {}                 # param -> {"step", "param", "exp_avg", "exp_avg_sq"} (numpy)
+        self.bytes_to_host = self.bytes_to_device = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else closure()
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                s = self.host.get(p)
+                if s is None:
+                    s = self.host[p] = {"step": 0, "param": to_host(p)[0].view(np.float32).copy(),
+                                        "exp_avg": np.zeros(p.numel(), np.float32),
+                                        "exp_avg_sq": np.zeros(p.numel(), np.float32)}
+                g = to_host(p.grad)[0].view(np.float32)                # device -> host
+                self.bytes_to_host += g.nbytes
+                s["step"] += 1
+                w, m, v, t = s["param"], s["exp_avg"], s["exp_avg_sq"], s["step"]
+                w *= np.float32(1 - lr * wd)                            # decoupled weight decay
+                m *= np.float32(b1)
+                m += np.float32(1 - b1) * g
+                v *= np.float32(b2)
+                v += np.float32(1 - b2) * g * g
+                denom = np.sqrt(v) / np.float32((1 - b2 ** t) ** 0.5) + np.float32(eps)
+                w -= np.float32(lr / (1 - b1 ** t)) * m / denom
+                p.copy_(torch.from_numpy(w).view(p.shape))             # host -> device
+                self.bytes_to_device += w.nbytes
+        return loss
+
+    def host_bytes(self):
+        """Bytes the host holds for the optimizer: master weights and both moments."""
+        return sum(a.nbytes for s in self.host.values() for k, a in s.items() if k != "step")
+
+
+ROUTES = ("device->host", "host->device", "host->disk", "disk->host",
+          "device->pinned", "pinned->device", "device->pageable", "pageable->device")
+
+
+def bandwidth(route, nbytes="64 MiB", folder=None, repeat=5):
+    """Measured bytes per second of one copy route (the median of `repeat` copies after one warm-up).
+
+    route: "device->host" / "host->device": torch storage <-> numpy buffer on a CPU, GPU <-> pageable CPU
+    memory on a GPU; "host->disk" / "disk->host": a numpy buffer to a file in `folder` and back (the
+    operating system's page cache usually absorbs both: this is the speed of the file system's memory
+    path, not of the disk); "device->pinned", "pinned->device", "device->pageable", "pageable->device":
+    CUDA only (pinned = page-locked host memory, which the GPU's copy engine can read directly).
+    """
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    n = parse_bytes(nbytes, "nbytes")
+    if n <= 0:
+        raise ValueError(f"nbytes must be positive, got {nbytes!r}")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
+    cuda = torch.cuda.is_available()
+    if ("pinned" in route or "pageable" in route) and not cuda:
+        raise ValueError(f"route {route!r} needs a CUDA GPU; this machine has none")
+    device = "cuda" if cuda else "cpu"
+    src_name, dst_name = route.split("->")
+    if "disk" in route:
+        if folder is None:
+            raise ValueError(f"folder must name a directory for route {route!r}, got None")
+        path = pathlib.Path(folder) / f"bandwidth_{os.getpid()}.bin"
+        buf = np.ones(n, dtype=np.uint8)
+        buf.tofile(path)
+        copy = (lambda: buf.tofile(path)) if dst_name == "disk" else (lambda: np.fromfile(path, dtype=np.uint8))
+        try:
+            return _median_rate(copy, n, repeat, sync=False)
+        finally:
+            os.remove(path)
+    dev = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    if cuda and ("pinned" in route or "pageable" in route):
+        host = torch.empty(n, dtype=torch.uint8, pin_memory="pinned" in route).fill_(1)
+        nb = "pinned" in route
+    else:
+        host, nb = torch.from_numpy(np.ones(n, dtype=np.uint8)), False
+    src, dst = (dev, host) if src_name == "device" else (host, dev)
+    return _median_rate(lambda: dst.copy_(src, non_blocking=nb), n, repeat, sync=cuda)
+
+
+def _median_rate(copy, n, repeat, sync):
+    copy()
+    times = []
+    for _ in range(repeat):
+        if sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        copy()
+        if sync:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return n / statistics.median(times)
+
+
+class CrossDeviceCopies(TorchDispatchMode):
+    """Counts the bytes that copies move between two different devices (e.g. cuda -> cpu), by route.
+
+        with CrossDeviceCopies() as moved:
+            y = model(x)
+        moved.bytes, moved.routes          # total; {"cuda->cpu": bytes, ...}
+
+    A `.to()` or `.cpu()` to the device a tensor already lives on is no copy and counts nothing.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.routes, self.copies = {}, 0
+
+    @property
+    def bytes(self):
+        return sum(self.routes.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        src = dst = None
+        if func in (torch.ops.aten._to_copy.default,) and isinstance(out, torch.Tensor):
+            src, dst = args[0], out
+        elif func in (torch.ops.aten.copy_.default,):
+            src, dst = args[1], args[0]
+        if src is not None and src.device != dst.device:
+            route = f"{src.device.type}->{dst.device.type}"
+            self.routes[route] = self.routes.get(route, 0) + dst.numel() * dst.element_size()
+            self.copies += 1
+        return out
+
+
+class Swapper(torch.nn.Module):
+    """The seed material's swapper: run `layer` on `device`, hand its output back to `host`.
+
+    As written in the seed (`x = x.cuda(); y = self.layer(x); return y.cpu()`), generalised to any pair
+    of devices so that it runs on a CPU (where both are "cpu" and it moves nothing). It moves the layer's
+    input and output; the layer's weights stay on `device`, and so does everything the layer saves
+    for backward.
+    """
+
+    def __init__(self, layer, device, host="cpu"):
+        super().__init__()
+        self.layer, self.device, self.host = layer, torch.device(device), torch.device(host)
+
+    def forward(self, x, *args, **kwargs):
+        y = self.layer(x.to(self.device), *args, **kwargs)
+        return y.to(self.host) if isinstance(y, torch.Tensor) else type(y)(v.to(self.host) for v in y)
+
+
+class _CountingMap(Mapping):
+    """A weights map that adds the bytes of every tensor it hands out to `counter["bytes"]`."""
+
+    def __init__(self, inner, counter):
+        self.inner, self.counter = inner, counter
+
+    def __getitem__(self, key):
+        t = self.inner[key]
+        self.counter["bytes"] += t.numel() * t.element_size()
+        self.counter["reads"] += 1
+        return t
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self):
+        return len(self.inner)
+
+
+@contextlib.contextmanager
+def count_weight_reads(model):
+    """Count the bytes accelerate's offload hooks load into `model`'s modules while the block runs.
+
+    Wraps the weights map of every `AlignDevicesHook` (from `disk_offload`, `cpu_offload`, or
+    `from_pretrained(device_map=..., offload_folder=...)`); yields {"bytes": ..., "reads": ...}.
+    """
+    counter, wrapped = {"bytes": 0, "reads": 0}, []
+    for module in model.modules():
+        hooks = [getattr(module, "_hf_hook", None)]
+        hooks += list(getattr(hooks[0], "hooks", ()))           # SequentialHook
+        for hook in hooks:
+            wmap = getattr(hook, "weights_map", None)
+            if wmap is None:
+                continue
+            if hasattr(wmap, "dataset"):                          # PrefixedDataset over the loader
+                wrapped.append((wmap, "dataset", wmap.dataset))
+                wmap.dataset = _CountingMap(wmap.dataset, counter)
+            else:
+                wrapped.append((hook, "weights_map", wmap))
+                hook.weights_map = _CountingMap(wmap, counter)
+    if not wrapped:
+        raise ValueError("model has no accelerate offload hooks with a weights map: offload it first "
+                         "(disk_offload, cpu_offload, or from_pretrained with an offload_folder)")
+    try:
+        yield counter
+    finally:
+        for obj, attr, original in reversed(wrapped):
+            setattr(obj, attr, original)

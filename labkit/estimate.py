@@ -81,12 +81,13 @@ from dataclasses import dataclass, field
 from .units import fmt_bytes, parse_bytes
 
 __all__ = ["estimate", "Estimate", "param_count", "kv_cache_bytes", "kv_capacity", "korthikanti_bytes",
-           "load_config", "measured", "DTYPES", "OPTIMIZERS", "FAMILIES"]
+           "model_states", "load_config", "measured", "DTYPES", "OPTIMIZERS", "FAMILIES", "ZERO_STAGES"]
 
 # dtype -> (bytes per weight/gradient element, bytes per 16/32-bit activation element)
 DTYPES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "mixed": (2, 2), "amp-bf16": (4, 2), "amp-fp16": (4, 2)}
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "adamw-8bit", None)
 # model_type -> the family whose formula describes it
+ZERO_STAGES = (0, 1, 2, 3)
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gemma": "gemma", "phi": "phi",
             "gpt2": "gpt2", "bert": "bert", "opt": "opt"}
 
@@ -107,6 +108,7 @@ class Estimate:
     phase: str = ""
     first_step: int = 0
     steady: int = 0
+    parallel: dict = field(default_factory=dict)
 
     def __repr__(self):
         rows = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.parts.items() if v)
@@ -445,7 +447,7 @@ def activation_bytes_per_token(config, seq, dtype="bf16", recompute=False, devic
 # ---- the estimate -----------------------------------------------------------------------------
 def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training=True, recompute=False,
              kv_tokens=None, foreach=False, logits_to_keep=None, grad_accum=False, device=None,
-             method="auto", max_positions=None):
+             method="auto", max_positions=None, dp=1, zero=0, tp=1, pp=1):
     """Predicted memory of a training step (training=True) or of inference with a KV cache.
 
     config: a transformers config, a labkit preset name (its full size) or a path to a config.json.
@@ -464,6 +466,15 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
     method: "auto" (a formula where one exists, else "fake"), "formula" or "fake" (measure a real step on
     FakeTensorMode tensors: exact, takes seconds).
     max_positions: allow seq + generated tokens beyond config.max_position_embeddings up to this number.
+    dp, zero, tp, pp: the memory of one rank when training on dp x tp x pp devices (batch is then the
+    micro-batch of one data-parallel rank). zero: the ZeRO stage over the dp ranks (Rajbhandari et al.
+    2020): 1 shards the optimizer state, 2 the gradients too, 3 the weights too. Tensor (tp) and pipeline
+    (pp) parallelism split the weights, gradients and optimizer state tp x pp ways (as if evenly: the
+    embeddings and the LM head really sit on the first and last stages). Activations: divided by tp
+    (Korthikanti et al. 2022 with sequence parallelism: every term / t); with 1F1B the first stage keeps
+    p micro-batches of L/p layers, as many as the L layers of one: pp leaves them as they are. The
+    buffers of one layer's gathered weights (ZeRO-3) or unreduced gradients (ZeRO-2, 3) are left out,
+    as in the paper's count.
     """
     batch, seq = _count("batch", batch, 1), _count("seq", seq, 1)
     kv_tokens = seq if kv_tokens is None else _count("kv_tokens", kv_tokens, 0)
@@ -476,6 +487,9 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
     if method not in ("auto", "formula", "fake"):
         raise ValueError(f"method must be 'auto', 'formula' or 'fake', got {method!r}")
     _bytes(dtype)
+    parallel = _parallel(dp, zero, tp, pp)
+    if zero and not training:
+        raise ValueError(f"zero shards training state; for inference (training=False) use zero=0, got zero={zero!r}")
     if not training and dtype.startswith("amp"):
         raise ValueError(f"dtype {dtype!r} is for training; for inference use 'bf16' or 'fp16'")
     config = load_config(config)
@@ -491,11 +505,73 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
     if method == "formula" and not formula_ok:
         raise ValueError(f"no formula for model_type {s['model_type']!r} with dtype {dtype!r}; use method='fake'")
     if method == "fake" or not formula_ok:
-        return _measure(config, batch, seq, dtype, optimizer, training, recompute, kv_tokens, foreach,
+        est = _measure(config, batch, seq, dtype, optimizer, training, recompute, kv_tokens, foreach,
                        logits_to_keep, grad_accum)
-    if training:
-        return _train(s, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, device)
-    return _infer(s, batch, seq, dtype, kv_tokens, 1 if logits_to_keep is None else logits_to_keep)
+    elif training:
+        est = _train(s, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, device, parallel)
+    else:
+        est = _infer(s, batch, seq, dtype, kv_tokens, 1 if logits_to_keep is None else logits_to_keep)
+    return _per_rank(est, parallel) if est.method == "fake" or not training else est
+
+
+def _parallel(dp, zero, tp, pp):
+    """The degrees of parallelism, checked: {"dp", "zero", "tp", "pp"}."""
+    out = {name: _count(name, value, 1) for name, value in (("dp", dp), ("tp", tp), ("pp", pp))}
+    if isinstance(zero, bool) or zero not in ZERO_STAGES:
+        raise ValueError(f"zero must be one of {ZERO_STAGES} (the ZeRO stage), got {zero!r}")
+    out["zero"] = zero
+    return out
+
+
+def _divisors(parallel):
+    """What each category is divided by on one rank."""
+    mp, dp, z = parallel["tp"] * parallel["pp"], parallel["dp"], parallel["zero"]
+    return {"parameters": mp * (dp if z >= 3 else 1), "gradients": mp * (dp if z >= 2 else 1),
+            "optimizer": mp * (dp if z >= 1 else 1), "activations": parallel["tp"],
+            "kv_cache": mp, "other": parallel["tp"]}
+
+
+def _shard(moment, parallel, phase=""):
+    """One moment's bytes per category on one rank. Inside step() "other" is the optimizer's temporaries,
+    sharded as its state; elsewhere it is the loss gradient, split over the vocabulary by tp."""
+    div = _divisors(parallel)
+    if phase == "optimizer step":
+        div["other"] = div["optimizer"]
+    return {c: -(-v // div[c]) for c, v in moment.items()}
+
+
+def _per_rank(est, parallel):
+    """An estimate made for one device, divided as `_shard` says (the measured and inference paths)."""
+    if all(parallel[k] == 1 for k in ("dp", "tp", "pp")) and not parallel["zero"]:
+        return est
+    scale = sum(_shard(est.peak_parts, parallel, est.phase).values()) / max(sum(est.peak_parts.values()), 1)
+    est.parts, est.peak_parts = _shard(est.parts, parallel, est.phase), _shard(est.peak_parts, parallel, est.phase)
+    est.total = sum(est.peak_parts.values())
+    est.first_step, est.steady = int(est.first_step * scale), int(est.steady * scale)
+    est.parallel = parallel
+    est.notes.append(_parallel_note(parallel))
+    return est
+
+
+def _parallel_note(parallel):
+    return (f"per rank of dp={parallel['dp']} x tp={parallel['tp']} x pp={parallel['pp']}, "
+            f"ZeRO stage {parallel['zero']}")
+
+
+def model_states(params, dp=1, zero=0, dtype="mixed", optimizer="adamw", tp=1, pp=1, grad_accum=False):
+    """Bytes per rank of weights, gradients and optimizer state: {"parameters", "gradients", "optimizer"}.
+
+    params: a parameter count or a config (anything `estimate` takes). With dtype="mixed" and AdamW
+    (K = 12) the ZeRO paper's Fig. 1: DDP 16 bytes/param, ZeRO-1 2 + 2 + 12/N, ZeRO-2 2 + 14/N, ZeRO-3
+    16/N (N = dp); 7.5B params on 64 ranks: 120 GB -> 31.4 / 16.6 / 1.9 GB.
+    """
+    P = params if isinstance(params, int) and not isinstance(params, bool) else param_count(params)
+    _count("params", P, 1)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    _bytes(dtype)
+    w, g, o = _states(P, dtype, optimizer, grad_accum)
+    return _shard({"parameters": w, "gradients": g, "optimizer": o}, _parallel(dp, zero, tp, pp))
 
 
 CATS = ("parameters", "gradients", "optimizer", "activations", "kv_cache", "other")
@@ -511,7 +587,7 @@ def _states(P, dtype, optimizer, grad_accum):
     return P * w, P * w + 4 * P * bool(grad_accum), opt
 
 
-def _train(s, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, device):
+def _train(s, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, device, parallel=None):
     P, w, e = param_count(s["config"]), _bytes(dtype), _bytes(dtype, activations=True)
     amp, tokens, L = dtype.startswith("amp"), batch * seq, s["L"]
     parts = dict.fromkeys(CATS, 0)
@@ -543,15 +619,19 @@ def _train(s, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, devi
                   activations=int(tokens * (held + recomputed) + cache)),
              dict(parts, gradients=parts["gradients"] - w * (k * layer_params + s["V"] * s["h"]), other=0,
                   activations=int(tokens * (inp + recomputed) + cache))], key=lambda p: sum(p.values()))
+    notes = []
+    if parallel is not None and (parallel["zero"] or any(parallel[k] > 1 for k in ("dp", "tp", "pp"))):
+        moments = {n: _shard(p, parallel, n) for n, p in moments.items()}
+        parts = _shard(parts, parallel)
+        notes.append(_parallel_note(parallel))
     first = {n: dict(p, optimizer=0) if n != "optimizer step" else p for n, p in moments.items()}
     phase, peak = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     parts["other"] = peak["other"]
-    notes = []
     if dtype == "mixed" or optimizer == "adamw-8bit":
         notes.append("first step: the optimizer state is born in step(), as later steps hold it")
     return Estimate(parts=parts, total=sum(peak.values()), peak_parts=peak, params=P, notes=notes,
                     method="formula", phase=phase, first_step=max(sum(p.values()) for p in first.values()),
-                    steady=sum(peak.values()))
+                    steady=sum(peak.values()), parallel=dict(parallel or {}))
 
 
 def _infer(s, batch, seq, dtype, kv_tokens, logits_to_keep):

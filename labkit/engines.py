@@ -1,0 +1,172 @@
+"""One model, several inference engines, each in a fresh subprocess: latency, extra memory, same outputs.
+
+Engines (ENGINES): "eager" (PyTorch), "inductor" (`torch.compile`), "aoti" (AOTInductor:
+`torch.export` + `torch._inductor.aoti_compile_and_package`, a C++ library loaded without Python
+tracing), "onnxruntime" (`torch.onnx.export(..., dynamo=True)` then an ONNX Runtime session) and
+"tensorrt" (Torch-TensorRT: `torch_tensorrt.compile(model, ir="dynamo", ...)`, CUDA only).
+
+Why a subprocess per engine: each one's memory is then its own. The process's resident set (RSS)
+is read after the model and the engine are loaded ("loaded"), its high-water mark is reset (Linux
+`/proc/self/clear_refs`), and after the timed runs the new high-water mark minus "loaded" is what
+running costs on top (`extra_peak_bytes`); what stays resident after the runs (`kept_bytes`) shows a
+memory arena that keeps its blocks (ONNX Runtime's `enable_cpu_mem_arena`). One thread each, so
+that engines are compared on equal terms. The outputs come back as files and `compare()` checks
+them against eager's.
+
+Models (MODELS) are transformers' ResNet (`ResNetForImageClassification`, random weights): its default
+`ResNetConfig()` is ResNet-50 (bottleneck blocks, depths 3-4-6-3); "resnet-tiny" keeps the
+architecture with one block per stage and narrow channels, so that exporting and compiling fit a
+CPU's minute. (torchvision's resnet50 would be the usual source, but the PyPI torchvision wheel
+does not import beside the CPU-only torch that this workbook installs.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+from .device import has
+
+__all__ = ["ENGINES", "MODELS", "EngineResult", "available", "build", "example_input", "run", "compare",
+           "TENSORRT_INSTALL"]
+
+ENGINES = ("eager", "inductor", "aoti", "onnxruntime", "tensorrt")
+MODELS = {                      # ResNetConfig's defaults are ResNet-50's layers; ImageNet has 1000 classes
+    "resnet-50": dict(num_labels=1000),
+    "resnet-tiny": dict(depths=[1, 1, 1, 1], hidden_sizes=[32, 64, 128, 256], embedding_size=16, num_labels=1000),
+}
+TENSORRT_INSTALL = ('pip install "torch-tensorrt==2.13.*" --extra-index-url https://pypi.nvidia.com '
+                    "(on a machine with an NVIDIA GPU and torch 2.13 for CUDA)")
+
+
+@dataclasses.dataclass
+class EngineResult:
+    """What one engine did: median latency, memory above the loaded state, its artifact, its output."""
+    engine: str
+    model: str
+    skipped: str | None = None        # why it did not run (then every figure is None)
+    latency_s: float | None = None    # median of `repeat` timed calls
+    times: list | None = None
+    build_s: float | None = None      # export + compile + load, once
+    loaded_bytes: int | None = None   # RSS with the model and the engine loaded, before any call
+    extra_peak_bytes: int | None = None   # peak RSS during the calls, above loaded
+    kept_bytes: int | None = None     # RSS after the calls, above loaded (what an arena keeps)
+    artifact: str | None = None       # the exported file (.onnx, .pt2, TensorRT program), if any
+    artifact_bytes: int | None = None     # its size
+    output: str | None = None         # path of the saved output tensor
+    max_abs_diff: float | None = None     # against eager's output, filled by compare()
+    arena: bool | None = None
+    device: str | None = None
+
+    @property
+    def ran(self):
+        return self.skipped is None
+
+
+def available(engine, device="cpu"):
+    """(True, "") if `engine` can run here, else (False, why and what to install)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "onnxruntime" and not (has("onnxruntime") and has("onnx_export")):
+        return False, "onnxruntime is not installed (pip install onnxruntime onnx onnxscript)"
+    if engine == "tensorrt":
+        if device != "cuda" or not has("cuda"):
+            return False, "TensorRT runs on NVIDIA GPUs only; this run is on the CPU"
+        if not (has("tensorrt") and has("torch_tensorrt")):
+            return False, f"Torch-TensorRT is not installed: {TENSORRT_INSTALL}"
+    return True, ""
+
+
+def build(model="resnet-tiny", seed=0):
+    """The model (random weights from `seed`), in eval mode, as a module from pixels to logits."""
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
+    import torch
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    class Logits(torch.nn.Module):          # one tensor in, one out: what every exporter wants
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, pixel_values):   # (B, 3, H, W) -> (B, 1000)
+            return self.net(pixel_values=pixel_values).logits
+
+    torch.manual_seed(seed)
+    return Logits(ResNetForImageClassification(ResNetConfig(**MODELS[model]))).eval()
+
+
+def example_input(batch=1, image=64, seed=1):
+    """A batch of random images, (batch, 3, image, image) fp32."""
+    import torch
+    for name, value in (("batch", batch), ("image", image)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return torch.randn(batch, 3, image, image, generator=torch.Generator().manual_seed(seed))
+
+
+def run(engine, model="resnet-tiny", batch=1, image=64, repeat=5, arena=True, device="cpu", fp16=False,
+        workdir=None, timeout=900):
+    """Run `model` through `engine` in a fresh Python process; returns an EngineResult.
+
+    An engine that cannot run here (see `available`) returns at once with `skipped` saying why.
+    arena: ONNX Runtime's CPU memory arena on or off (other engines ignore it).
+    fp16: build the engine in half precision (TensorRT's `enabled_precisions`; GPU only).
+    workdir: where exported files and outputs go (default: a new temporary directory); an ONNX file
+    already there for the same model and shape is reused, so arena on and off export once.
+    """
+    ok, why = available(engine, device)
+    if not ok:
+        return EngineResult(engine, model, skipped=why, arena=arena, device=device)
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be a positive int, got {repeat!r}")
+    example_input(batch, image)                       # checks batch and image
+    workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="labkit-engines-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    tag = f"{engine}-{model}-b{batch}-i{image}-{device}{'-fp16' if fp16 else ''}{'' if arena else '-noarena'}"
+    args = [sys.executable, "-m", "labkit.scripts.engine_run", "--engine", engine, "--model", model,
+            "--batch", str(batch), "--image", str(image), "--repeat", str(repeat), "--arena", str(int(arena)),
+            "--device", device, "--fp16", str(int(fp16)), "--workdir", str(workdir), "--tag", tag]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"engine {engine!r} on {model!r} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return EngineResult(**json.loads((workdir / f"{tag}.json").read_text()))
+
+
+def compare(engines, rtol=1e-3, atol=1e-4, **kwargs):
+    """`run` each engine (names, or (name, {options}) pairs); every output is checked against eager's.
+
+    Returns {label: EngineResult}; eager runs first (added if missing); `kwargs` go to every `run`.
+    Each result's `max_abs_diff` is its largest difference from eager; beyond `rtol` plus `atol` times
+    eager's largest output (random weights give logits of any scale) it raises AssertionError.
+    fp32 engines reorder sums (fused kernels, other convolution algorithms), hence the tolerance;
+    pass a looser one for fp16.
+    """
+    import torch
+    wanted = [(e, {}) if isinstance(e, str) else (e[0], dict(e[1])) for e in engines]
+    if not any(name == "eager" and not opts for name, opts in wanted):
+        wanted.insert(0, ("eager", {}))
+    results = {}
+    for name, opts in wanted:
+        label = name + "".join(f" {k}={v}" for k, v in opts.items())
+        results[label] = run(name, **{**kwargs, **opts})
+    reference = torch.load(results["eager"].output)
+    scale = float(reference.abs().max()) or 1.0
+    for label, r in results.items():
+        if r.ran:
+            got = torch.load(r.output).float()
+            r.max_abs_diff = float((got - reference).abs().max())
+            torch.testing.assert_close(got, reference, rtol=rtol, atol=atol * scale,
+                                       msg=lambda m, label=label: f"{label} differs from eager: {m}")
+    return results

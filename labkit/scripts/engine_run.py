@@ -1,0 +1,146 @@
+"""One engine, one model, one process (started by `labkit.engines.run`): build, time, measure, save.
+
+Writes <workdir>/<tag>.json (the fields of `labkit.engines.EngineResult`) and <tag>.pt (the output).
+"""
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+import warnings
+
+
+def rss():
+    """(resident bytes now, high-water mark) of this process, from /proc/self/status (Linux)."""
+    found = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":")
+                found[key] = int(value.split()[0]) * 1024          # kB
+    return found["VmRSS"], found["VmHWM"]
+
+
+def reset_peak():
+    """Reset the high-water mark to the current RSS (Linux >= 4.0: write 5 to clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def prepare(engine, model, x, args, workdir):
+    """The engine's callable, and the file it was exported to (None for eager and inductor)."""
+    import torch
+    if engine == "eager":
+        return model, None
+    if engine == "inductor":
+        return torch.compile(model), None
+    if engine == "aoti":
+        path = workdir / f"{args.tag}.pt2"
+        program = torch.export.export(model, (x,))
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        return torch._inductor.aoti_load_package(str(path)), path
+    if engine == "onnxruntime":
+        import onnxruntime as ort
+        path = workdir / f"{args.model}-b{args.batch}-i{args.image}.onnx"     # shared by arena on and off
+        if not path.exists():
+            program = torch.onnx.export(model, (x,), dynamo=True, verbose=False)
+            program.save(str(path) + ".part")
+            os.replace(str(path) + ".part", path)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        options.enable_cpu_mem_arena = bool(args.arena)
+        gpu = args.device == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers()
+        providers = (["CUDAExecutionProvider"] if gpu else []) + ["CPUExecutionProvider"]
+        session = ort.InferenceSession(str(path), options, providers=providers)
+        name = session.get_inputs()[0].name
+        args.ran_on = "cuda" if gpu else "cpu"        # the CPU-only onnxruntime wheel runs on the CPU
+
+        def call(pixels):
+            return torch.from_numpy(session.run(None, {name: pixels.cpu().numpy()})[0])
+        return call, path
+    if engine == "tensorrt":
+        # Torch-TensorRT's documented dynamo path (https://docs.pytorch.org/TensorRT/): the maintained
+        # successor of NVIDIA-AI-IOT's torch2trt(model, [x], fp16_mode=True, max_workspace_size=1 << 30).
+        import torch_tensorrt
+        precisions = {torch.half} if args.fp16 else {torch.float}
+        compiled = torch_tensorrt.compile(model, ir="dynamo", inputs=[x], enabled_precisions=precisions,
+                                          workspace_size=1 << 30)
+        path = workdir / f"{args.tag}.ep"
+        torch_tensorrt.save(compiled, str(path), inputs=[x])
+        return compiled, path
+    raise ValueError(f"engine must be one of eager, inductor, aoti, onnxruntime, tensorrt; got {engine!r}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--engine", required=True)
+    p.add_argument("--model", default="resnet-tiny")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--image", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--arena", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--fp16", type=int, default=0)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--tag", required=True)
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")          # exporters' deprecation notes: the parent shows only failures
+    import logging
+    logging.disable(logging.WARNING)
+
+    import torch
+    torch.set_num_threads(1)
+    from labkit import engines
+
+    workdir = pathlib.Path(args.workdir)
+    device = torch.device(args.device)
+    model = engines.build(args.model).to(device)
+    x = engines.example_input(args.batch, args.image).to(device)
+    if args.fp16 and args.engine != "tensorrt":     # TensorRT takes fp32 weights and builds fp16 kernels
+        model, x = model.half(), x.half()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    start = time.perf_counter()
+    with torch.no_grad():                        # exporters trace outside inference mode
+        fn, artifact = prepare(args.engine, model, x, args, workdir)
+    with torch.inference_mode():
+        if args.engine == "inductor":
+            fn(x)                                # inductor compiles at its first call: part of building it
+        sync()
+        build_s = time.perf_counter() - start
+        if args.engine in ("aoti", "onnxruntime", "tensorrt"):   # the engine owns its weights now
+            del model
+        import gc
+        gc.collect()
+        loaded, _ = rss()                        # model and engine loaded, nothing run yet (but inductor's compile)
+        reset_peak()
+        out = fn(x)                              # warm-up: arenas and workspaces grow here
+        sync()
+        times = []
+        for _ in range(args.repeat):
+            sync()
+            t0 = time.perf_counter()
+            out = fn(x)
+            sync()
+            times.append(time.perf_counter() - t0)
+        now, peak = rss()
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    torch.save(out.detach().float().cpu(), workdir / f"{args.tag}.pt")
+    result = dict(engine=args.engine, model=args.model, latency_s=statistics.median(times), times=times,
+                  build_s=build_s, loaded_bytes=loaded, extra_peak_bytes=max(peak - loaded, 0),
+                  kept_bytes=max(now - loaded, 0),
+                  artifact=str(artifact) if artifact is not None else None,
+                  artifact_bytes=artifact.stat().st_size if artifact is not None else None,
+                  output=str(workdir / f"{args.tag}.pt"), arena=bool(args.arena),
+                  device=getattr(args, "ran_on", args.device))
+    (workdir / f"{args.tag}.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

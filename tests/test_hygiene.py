@@ -55,6 +55,14 @@ def test_parameters_cell_metadata_and_record(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_requirements_name_features_labkit_can_check(path):
+    """`labkit doctor` and notebook 00 ask lk.has() about every name a notebook requires or can use."""
+    from labkit.device import FEATURES
+    meta = json.loads(path.read_text())["metadata"]["labkit"]
+    assert set(meta["requires"]) | set(meta["optional"]) <= set(FEATURES)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_every_solution_has_a_check(path):
     code = [source(c) for c in cells(path, "code")]
     solutions = [i for i, s in enumerate(code) if "### BEGIN SOLUTION" in s]

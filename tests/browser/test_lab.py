@@ -59,6 +59,7 @@ def lab(tmp_path_factory):
            "--allow-root"]
     env = dict(os.environ, LABKIT_SIZE="tiny", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                **dict(v.split("=", 1) for v in makefile_value("LAB_ENV")))
+    env.pop("MPLBACKEND", None)          # `make test` sets Agg; a learner's kernel draws inline plots
     log = open(logs / "lab.log", "w")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
     base = f"http://127.0.0.1:{port}"
@@ -85,11 +86,14 @@ def browser():
 
 def open_notebook(browser, base, name):
     page = browser.new_page(viewport={"width": 1400, "height": 900})
-    page.goto(f"{base}/lab/tree/{name}?token={TOKEN}", timeout=180_000, wait_until="domcontentloaded")
+    # A workspace of its own, reset: no tabs restored from an earlier page, so the notebook is the current one.
+    stem = name.removesuffix(".ipynb")
+    page.goto(f"{base}/lab/workspaces/{stem}/tree/{name}?reset&token={TOKEN}", timeout=180_000,
+              wait_until="domcontentloaded")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=180_000)
-    # The status bar, not the toolbar: it names the kernel and its state once a kernel exists.
-    page.wait_for_function("() => /\\|\\s*Idle/.test(document.querySelector('#jp-main-statusbar')?.textContent)",
-                           timeout=180_000)
+    # The status bar, not the toolbar: once this notebook's kernel exists it shows the file and "| Idle".
+    page.wait_for_function("(name) => { const bar = document.querySelector('#jp-main-statusbar')?.textContent ?? '';"
+                           " return bar.includes(name) && /\\|\\s*Idle/.test(bar); }", arg=name, timeout=180_000)
     return page
 
 
@@ -153,13 +157,18 @@ def check_calculator(page):
     assert widget.count() == 1, "the calculator did not render as widgets"
     text_outputs = page.evaluate("() => [...document.querySelectorAll('.jp-OutputArea-output')].map(e => e.textContent)")
     assert not any(t.strip().startswith("HBox(") for t in text_outputs), "the widget showed as text: no widget manager"
+    assert widget.locator("img").count() >= 1, "the calculator's chart did not render"
     before = widget.text_content()
+    chart = widget.locator("img").first.get_attribute("src")
     slider = widget.locator(".widget-slider", has_text="batch").locator(".noUi-handle, .ui-slider-handle").first
     slider.focus()
     for _ in range(3):
         page.keyboard.press("ArrowRight")
-    page.wait_for_function("(b) => { const w = [...document.querySelectorAll('.widget-hbox')]"
-                           ".find(e => e.querySelector('.widget-slider')); return w && w.textContent !== b; }",
-                           arg=before, timeout=60_000)
+    # Redrawn: the summary line and the chart itself (a new image) both change.
+    page.wait_for_function("([text, src]) => { const w = [...document.querySelectorAll('.widget-hbox')]"
+                           ".find(e => e.querySelector('.widget-slider')); const img = w && w.querySelector('img');"
+                           " return w && w.textContent !== text && img && img.getAttribute('src') !== src; }",
+                           arg=[before, chart], timeout=60_000)
+    page.wait_for_timeout(500)
     widget.screenshot(path=str(SHOTS / "01_calculator_after_slider.png"))
     assert widget.text_content() != before

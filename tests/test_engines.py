@@ -55,6 +55,19 @@ def test_onnxruntime_and_eager_agree_and_tensorrt_is_skipped(tmp_path):
     assert ort.arena and not results["onnxruntime arena=False"].arena
 
 
+def test_inductor_and_aotinductor_engines_agree_with_eager(tmp_path):
+    """The two engines that build C++ with gcc (about a minute of one core, cold): the notebook runs them on
+    the ResNet at full size only, so this is where they are checked on a CPU."""
+    results = engines.compare(["inductor", "aoti"], model="resnet-tiny", batch=1, image=32, repeat=2,
+                              workdir=tmp_path)
+    assert list(results) == ["eager", "inductor", "aoti"] and all(r.ran for r in results.values())
+    aoti = results["aoti"]
+    assert aoti.artifact.endswith(".pt2") and aoti.artifact_bytes > 0     # the package a server loads
+    assert results["inductor"].artifact is None                            # compiled in the process, no file
+    for r in results.values():
+        assert r.max_abs_diff < 1e-3 and torch.load(r.output).shape == (1, 1000)
+
+
 @pytest.mark.skipif(not (lk.has("cuda") and lk.has("tensorrt") and lk.has("torch_tensorrt")),
                     reason="Torch-TensorRT needs an NVIDIA GPU and NVIDIA's packages")
 def test_tensorrt_fp16_matches_eager(tmp_path):

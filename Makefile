@@ -65,9 +65,10 @@ instructor: env
 	$(PYTHON) -m labkit.cli instructor
 
 # The course as a workshop uses it: every student notebook runs top to bottom with its checks "not attempted",
-# and nbgrader's autograde gives the answer key full points (each notebook executed twice: about 15 minutes).
+# and nbgrader's autograde gives the answer key full points (each notebook executed twice; one file, so its
+# tests are spread over the workers one by one: --dist load).
 test-course: env
-	$(TESTENV) PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PYTHON) $(PYTEST) $(COURSE)
+	$(TESTENV) PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PYTHON) $(PYTEST) --dist load $(COURSE)
 
 # JupyterLab driven in the system's Chromium (Debian: apt-get install -y chromium); Playwright's Python
 # package only, never a browser of its own. Screenshots in build/browser/.

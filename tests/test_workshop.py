@@ -52,6 +52,18 @@ def test_exercises_are_nbgrader_cells_with_honest_checks(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_markers_only_where_nbgrader_allows_them(path):
+    """nbgrader's generate_assignment refuses any other cell with a line that names a marker, prose too."""
+    for c in nbformat.read(path, as_version=4).cells:
+        meta = c.metadata.get("nbgrader", {})
+        for line in c.source.splitlines():
+            if "BEGIN SOLUTION" in line or "END SOLUTION" in line:
+                assert meta.get("solution"), f"{path.name}: a marker outside a solution cell: {line.strip()!r}"
+            if "HIDDEN TESTS" in line:
+                assert meta.get("grade"), f"{path.name}: a hidden-tests marker outside a check cell: {line.strip()!r}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_predict_then_measure(path):
     source = "\n".join(c.source for c in code_cells(path))
     assert "lk.reveal(" in source, f"{path.name}: ask for a prediction, then lk.reveal() it beside the measurement"

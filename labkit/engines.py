@@ -9,9 +9,13 @@ Why a subprocess per engine: each one's memory is then its own. The process's re
 is read after the model and the engine are loaded ("loaded"), its high-water mark is reset (Linux
 `/proc/self/clear_refs`), and after the timed runs the new high-water mark minus "loaded" is what
 running costs on top (`extra_peak_bytes`); what stays resident after the runs (`kept_bytes`) shows a
-memory arena that keeps its blocks (ONNX Runtime's `enable_cpu_mem_arena`). One thread each, so
-that engines are compared on equal terms. The outputs come back as files and `compare()` checks
-them against eager's.
+memory arena that keeps its blocks (ONNX Runtime's `enable_cpu_mem_arena`). glibc's malloc is told to
+give every freed block above 64 KiB back to the system (`MALLOC_MMAP_THRESHOLD_`), so that what stays
+is what the engine keeps, not what malloc happens to cache; that costs page faults on every large
+allocation, so latencies are those of an engine without a caching malloc. One thread each, so
+that engines are compared on equal terms. Every engine reads the same input file and writes its output
+as a file; `compare()` checks them against eager's. ONNX Runtime runs the file that the caller
+exported (`export_onnx`): its process imports onnxruntime and NumPy, never PyTorch, as a server would.
 
 Models (MODELS) are transformers' ResNet (`ResNetForImageClassification`, random weights): its default
 `ResNetConfig()` is ResNet-50 (bottleneck blocks, depths 3-4-6-3); "resnet-tiny" keeps the
@@ -31,8 +35,8 @@ import tempfile
 
 from .device import has
 
-__all__ = ["ENGINES", "MODELS", "EngineResult", "available", "build", "example_input", "run", "compare",
-           "TENSORRT_INSTALL"]
+__all__ = ["ENGINES", "MODELS", "EngineResult", "available", "build", "example_input", "export_onnx", "run",
+           "compare", "TENSORRT_INSTALL"]
 
 ENGINES = ("eager", "inductor", "aoti", "onnxruntime", "tensorrt")
 MODELS = {                      # ResNetConfig's defaults are ResNet-50's layers; ImageNet has 1000 classes
@@ -51,16 +55,17 @@ class EngineResult:
     skipped: str | None = None        # why it did not run (then every figure is None)
     latency_s: float | None = None    # median of `repeat` timed calls
     times: list | None = None
-    build_s: float | None = None      # export + compile + load, once
+    build_s: float | None = None      # export (in the caller, for ONNX Runtime) + compile + load, once
     loaded_bytes: int | None = None   # RSS with the model and the engine loaded, before any call
     extra_peak_bytes: int | None = None   # peak RSS during the calls, above loaded
     kept_bytes: int | None = None     # RSS after the calls, above loaded (what an arena keeps)
     artifact: str | None = None       # the exported file (.onnx, .pt2, TensorRT program), if any
     artifact_bytes: int | None = None     # its size
-    output: str | None = None         # path of the saved output tensor
+    output: str | None = None         # path of the saved output (.npy, fp32)
     max_abs_diff: float | None = None     # against eager's output, filled by compare()
     arena: bool | None = None
     device: str | None = None
+    imported_torch: bool | None = None    # whether the engine's process imported PyTorch at all
 
     @property
     def ran(self):
@@ -109,6 +114,29 @@ def example_input(batch=1, image=64, seed=1):
     return torch.randn(batch, 3, image, image, generator=torch.Generator().manual_seed(seed))
 
 
+def export_onnx(model, batch, image, path):
+    """Export `model` (a MODELS name) for a (batch, 3, image, image) input to the ONNX file `path`
+    (`torch.onnx.export(..., dynamo=True)`, the exporter's notes silenced); returns the seconds it took."""
+    import logging
+    import time
+    import warnings
+
+    import torch
+    start = time.perf_counter()
+    net, x = build(model), example_input(batch, image)
+    with warnings.catch_warnings(), torch.no_grad():      # exporters trace outside inference mode
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            program = torch.onnx.export(net, (x,), dynamo=True, verbose=False)
+        finally:
+            logging.disable(logging.NOTSET)
+    path = pathlib.Path(path)
+    program.save(str(path) + ".part")
+    os.replace(str(path) + ".part", path)
+    return time.perf_counter() - start
+
+
 def run(engine, model="resnet-tiny", batch=1, image=64, repeat=5, arena=True, device="cpu", fp16=False,
         workdir=None, timeout=900):
     """Run `model` through `engine` in a fresh Python process; returns an EngineResult.
@@ -116,8 +144,8 @@ def run(engine, model="resnet-tiny", batch=1, image=64, repeat=5, arena=True, de
     An engine that cannot run here (see `available`) returns at once with `skipped` saying why.
     arena: ONNX Runtime's CPU memory arena on or off (other engines ignore it).
     fp16: build the engine in half precision (TensorRT's `enabled_precisions`; GPU only).
-    workdir: where exported files and outputs go (default: a new temporary directory); an ONNX file
-    already there for the same model and shape is reused, so arena on and off export once.
+    workdir: where the input, exported files and outputs go (default: a new temporary directory); an ONNX
+    file already there for the same model and shape is reused, so arena on and off export once.
     """
     ok, why = available(engine, device)
     if not ok:
@@ -128,20 +156,35 @@ def run(engine, model="resnet-tiny", batch=1, image=64, repeat=5, arena=True, de
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"repeat must be a positive int, got {repeat!r}")
-    example_input(batch, image)                       # checks batch and image
+    if fp16 and engine == "onnxruntime":
+        raise ValueError("fp16 is for the PyTorch engines and TensorRT; onnxruntime runs the fp32 export, got fp16=True")
+    import numpy as np
+    pixels = example_input(batch, image)                  # checks batch and image
     workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="labkit-engines-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    tag = f"{engine}-{model}-b{batch}-i{image}-{device}{'-fp16' if fp16 else ''}{'' if arena else '-noarena'}"
-    args = [sys.executable, "-m", "labkit.scripts.engine_run", "--engine", engine, "--model", model,
+    shape = f"{model}-b{batch}-i{image}"
+    np.save(workdir / f"input-{shape}.npy", pixels.numpy())      # the same images for every engine
+    export_s = 0.0
+    if engine == "onnxruntime" and not (workdir / f"{shape}.onnx").exists():
+        export_s = export_onnx(model, batch, image, workdir / f"{shape}.onnx")
+    tag = f"{engine}-{shape}-{device}{'-fp16' if fp16 else ''}{'' if arena else '-noarena'}"
+    script = pathlib.Path(__file__).resolve().parent / "scripts" / "engine_run.py"   # a file, not `-m labkit...`:
+    args = [sys.executable, str(script), "--engine", engine, "--model", model,         # importing labkit imports torch
             "--batch", str(batch), "--image", str(image), "--repeat", str(repeat), "--arena", str(int(arena)),
             "--device", device, "--fp16", str(int(fp16)), "--workdir", str(workdir), "--tag", tag]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    # MALLOC_MMAP_THRESHOLD_: glibc serves every block above 64 KiB with its own mmap and unmaps it when freed,
+    # so memory an engine frees leaves the process and RSS shows what the engine holds (an arena's blocks);
+    # by default glibc keeps freed heap pages resident and raises its threshold as it goes: noise of MiBs.
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               MALLOC_MMAP_THRESHOLD_=str(64 * 1024))
     root = str(pathlib.Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"engine {engine!r} on {model!r} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return EngineResult(**json.loads((workdir / f"{tag}.json").read_text()))
+    result = EngineResult(**json.loads((workdir / f"{tag}.json").read_text()))
+    result.build_s += export_s
+    return result
 
 
 def compare(engines, rtol=1e-3, atol=1e-4, **kwargs):
@@ -161,11 +204,12 @@ def compare(engines, rtol=1e-3, atol=1e-4, **kwargs):
     for name, opts in wanted:
         label = name + "".join(f" {k}={v}" for k, v in opts.items())
         results[label] = run(name, **{**kwargs, **opts})
-    reference = torch.load(results["eager"].output)
+    import numpy as np
+    reference = torch.from_numpy(np.load(results["eager"].output))
     scale = float(reference.abs().max()) or 1.0
     for label, r in results.items():
         if r.ran:
-            got = torch.load(r.output).float()
+            got = torch.from_numpy(np.load(r.output))
             r.max_abs_diff = float((got - reference).abs().max())
             torch.testing.assert_close(got, reference, rtol=rtol, atol=atol * scale,
                                        msg=lambda m, label=label: f"{label} differs from eager: {m}")

@@ -1,15 +1,20 @@
 """One engine, one model, one process (started by `labkit.engines.run`): build, time, measure, save.
 
-Writes <workdir>/<tag>.json (the fields of `labkit.engines.EngineResult`) and <tag>.pt (the output).
+Reads <workdir>/input-<model>-b<batch>-i<image>.npy; writes <workdir>/<tag>.json (the fields of
+`labkit.engines.EngineResult`) and <tag>.npy (the output, fp32). ONNX Runtime runs the .onnx file that
+`labkit.engines.run` exported beside the input: that process imports onnxruntime and NumPy only.
 """
 import argparse
+import contextlib
+import gc
 import json
-import os
 import pathlib
 import statistics
 import sys
 import time
 import warnings
+
+import numpy as np
 
 
 def rss():
@@ -29,25 +34,12 @@ def reset_peak():
         f.write("5")
 
 
-def prepare(engine, model, x, args, workdir):
-    """The engine's callable, and the file it was exported to (None for eager and inductor)."""
-    import torch
-    if engine == "eager":
-        return model, None
-    if engine == "inductor":
-        return torch.compile(model), None
-    if engine == "aoti":
-        path = workdir / f"{args.tag}.pt2"
-        program = torch.export.export(model, (x,))
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
-        return torch._inductor.aoti_load_package(str(path)), path
-    if engine == "onnxruntime":
+def prepare(engine, pixels, args, workdir):
+    """The engine's callable, its input, and the file it runs from (None for eager and inductor)."""
+    shape = f"{args.model}-b{args.batch}-i{args.image}"
+    if engine == "onnxruntime":                # no PyTorch in this process: the exported file is the model
         import onnxruntime as ort
-        path = workdir / f"{args.model}-b{args.batch}-i{args.image}.onnx"     # shared by arena on and off
-        if not path.exists():
-            program = torch.onnx.export(model, (x,), dynamo=True, verbose=False)
-            program.save(str(path) + ".part")
-            os.replace(str(path) + ".part", path)
+        path = workdir / f"{shape}.onnx"
         options = ort.SessionOptions()
         options.intra_op_num_threads = options.inter_op_num_threads = 1
         options.enable_cpu_mem_arena = bool(args.arena)
@@ -56,10 +48,23 @@ def prepare(engine, model, x, args, workdir):
         session = ort.InferenceSession(str(path), options, providers=providers)
         name = session.get_inputs()[0].name
         args.ran_on = "cuda" if gpu else "cpu"        # the CPU-only onnxruntime wheel runs on the CPU
+        return lambda x: session.run(None, {name: x})[0], pixels, path
 
-        def call(pixels):
-            return torch.from_numpy(session.run(None, {name: pixels.cpu().numpy()})[0])
-        return call, path
+    import torch
+    from labkit import engines
+    model = engines.build(args.model).to(args.device)
+    x = torch.from_numpy(pixels).to(args.device)
+    if args.fp16 and engine != "tensorrt":     # TensorRT takes fp32 weights and builds fp16 kernels
+        model, x = model.half(), x.half()
+    if engine == "eager":
+        return model, x, None
+    if engine == "inductor":
+        return torch.compile(model), x, None
+    if engine == "aoti":
+        path = workdir / f"{args.tag}.pt2"
+        program = torch.export.export(model, (x,))
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        return torch._inductor.aoti_load_package(str(path)), x, path
     if engine == "tensorrt":
         # Torch-TensorRT's documented dynamo path (https://docs.pytorch.org/TensorRT/): the maintained
         # successor of NVIDIA-AI-IOT's torch2trt(model, [x], fp16_mode=True, max_workspace_size=1 << 30).
@@ -69,7 +74,7 @@ def prepare(engine, model, x, args, workdir):
                                           workspace_size=1 << 30)
         path = workdir / f"{args.tag}.ep"
         torch_tensorrt.save(compiled, str(path), inputs=[x])
-        return compiled, path
+        return compiled, x, path
     raise ValueError(f"engine must be one of eager, inductor, aoti, onnxruntime, tensorrt; got {engine!r}")
 
 
@@ -90,32 +95,24 @@ def main(argv=None):
     import logging
     logging.disable(logging.WARNING)
 
-    import torch
-    torch.set_num_threads(1)
-    from labkit import engines
-
     workdir = pathlib.Path(args.workdir)
-    device = torch.device(args.device)
-    model = engines.build(args.model).to(device)
-    x = engines.example_input(args.batch, args.image).to(device)
-    if args.fp16 and args.engine != "tensorrt":     # TensorRT takes fp32 weights and builds fp16 kernels
-        model, x = model.half(), x.half()
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    pixels = np.load(workdir / f"input-{args.model}-b{args.batch}-i{args.image}.npy")
+    sync, building, running = (lambda: None), contextlib.nullcontext, contextlib.nullcontext
+    if args.engine != "onnxruntime":
+        import torch
+        torch.set_num_threads(1)
+        building, running = torch.no_grad, torch.inference_mode      # exporters trace outside inference mode
+        if args.device == "cuda":
+            sync = torch.cuda.synchronize
 
     start = time.perf_counter()
-    with torch.no_grad():                        # exporters trace outside inference mode
-        fn, artifact = prepare(args.engine, model, x, args, workdir)
-    with torch.inference_mode():
+    with building():
+        fn, x, artifact = prepare(args.engine, pixels, args, workdir)
+    with running():
         if args.engine == "inductor":
             fn(x)                                # inductor compiles at its first call: part of building it
         sync()
         build_s = time.perf_counter() - start
-        if args.engine in ("aoti", "onnxruntime", "tensorrt"):   # the engine owns its weights now
-            del model
-        import gc
         gc.collect()
         loaded, _ = rss()                        # model and engine loaded, nothing run yet (but inductor's compile)
         reset_peak()
@@ -130,14 +127,16 @@ def main(argv=None):
             times.append(time.perf_counter() - t0)
         now, peak = rss()
     out = out[0] if isinstance(out, (tuple, list)) else out
-    torch.save(out.detach().float().cpu(), workdir / f"{args.tag}.pt")
+    if not isinstance(out, np.ndarray):
+        out = out.detach().float().cpu().numpy()
+    np.save(workdir / f"{args.tag}.npy", out.astype(np.float32))
     result = dict(engine=args.engine, model=args.model, latency_s=statistics.median(times), times=times,
                   build_s=build_s, loaded_bytes=loaded, extra_peak_bytes=max(peak - loaded, 0),
                   kept_bytes=max(now - loaded, 0),
                   artifact=str(artifact) if artifact is not None else None,
                   artifact_bytes=artifact.stat().st_size if artifact is not None else None,
-                  output=str(workdir / f"{args.tag}.pt"), arena=bool(args.arena),
-                  device=getattr(args, "ran_on", args.device))
+                  output=str(workdir / f"{args.tag}.npy"), arena=bool(args.arena),
+                  device=getattr(args, "ran_on", args.device), imported_torch="torch" in sys.modules)
     (workdir / f"{args.tag}.json").write_text(json.dumps(result))
     return 0
 

@@ -96,6 +96,19 @@ def _flash_fwd(Q, K, V, O, LSE, scale, Nq, Nk, Hq, GROUP,
 
 # ---------------------------------------------------------------- backward
 @triton.jit
+def _p_and_ds(q, k, v, do, lse, delta, rows, cols, Nq, Nk, scale, CAUSAL: tl.constexpr):
+    """One (queries x keys) tile of the backward, shared by both kernels: P recomputed from the saved
+    log-sum-exp (never stored), and dS = P * (dP - D) with dP = dO V^T and D = rowsum(dO * O)."""
+    s = tl.dot(q, tl.trans(k)) * scale                         # (BLOCK_M, BLOCK_N), as in forward
+    valid = (rows[:, None] < Nq) & (cols[None, :] < Nk)
+    if CAUSAL:                                                 # bottom-right aligned, as in forward
+        valid = valid & (rows[:, None] + Nk - Nq >= cols[None, :])
+    p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
 def _flash_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, scale, Nq, Nk, Hq, GROUP,
                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
@@ -131,14 +144,8 @@ def _flash_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, scale, Nq, Nk, Hq, GROUP,
                 q, do = q.to(tl.float32), do.to(tl.float32)
             lse = tl.load(LSE + bh * Nq + rows, mask=rows < Nq, other=0.0)
             delta = tl.load(DELTA + bh * Nq + rows, mask=rows < Nq, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale                 # (BLOCK_M, BLOCK_N), as in forward
-            valid = row_mask & (offs_n[None, :] < Nk)
-            if CAUSAL:
-                valid = valid & (rows[:, None] + shift >= offs_n[None, :])
-            p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)  # P recomputed from the log-sum-exp
+            p, ds = _p_and_ds(q, k, v, do, lse, delta, rows, offs_n, Nq, Nk, scale, CAUSAL)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
-            dp = tl.dot(do, tl.trans(v)).to(tl.float32)        # dP = dO V^T
-            ds = p * (dp - delta[:, None])                     # softmax backward with D = rowsum(dO * O)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
     tl.store(DK + kv_base + offs_n[:, None] * D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_base + offs_n[:, None] * D + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -173,13 +180,7 @@ def _flash_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, scale, Nq, Nk, Hq, GROUP,
         v = tl.load(V + kv_base + cols[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale
-        valid = row_mask & (cols[None, :] < Nk)
-        if CAUSAL:
-            valid = valid & (offs_m[:, None] + shift >= cols[None, :])
-        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
-        ds = p * (dp - delta[:, None])
+        _, ds = _p_and_ds(q, k, v, do, lse, delta, offs_m, cols, Nq, Nk, scale, CAUSAL)
         dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
     tl.store(DQ + q_base + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_mask)
 

@@ -158,3 +158,121 @@ def test_instructor_guide_agendas_follow_the_notebooks():
     assert fill_agendas(guide) == guide, "run `labkit agenda --write docs/instructor.md`"
     for path in NOTEBOOKS:
         assert f"`{path.name}`" in guide, f"the two-day agenda lacks {path.name}"
+
+
+# Predictions: None until the learner makes one, so nobody is handed an answer to copy.
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_predictions_default_to_none(path):
+    import ast
+    for c in code_cells(path):
+        try:
+            tree = ast.parse(c.source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name) and t.id.startswith("PREDICT")]
+                if names and node.value is not None:
+                    assert isinstance(node.value, ast.Constant) and node.value.value is None, \
+                        f"{path.name}: {names[0]} = {ast.unparse(node.value)}: a prediction starts as None"
+
+
+def test_reveal_says_when_no_prediction_was_made(capsys):
+    import numpy as np
+    import labkit as lk
+    gaps = lk.reveal("peak", None, "90 MiB", np.int64(100 * 2**20))
+    out = capsys.readouterr().out
+    assert "not predicted" in out and "+nan" not in out and set(gaps) == {"estimate", "measured"}
+    assert lk.reveal("time", np.float32(2.0), None, np.float64(4.0), unit="ms")["prediction"] == -0.5
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="estimated"):
+            lk.reveal("time", None, bad, 4.0, unit="ms")
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), "np.float32('nan')", "np.zeros(3)", "np.array([])",
+                                   "torch.full((3,), float('inf'))"])
+def test_nontrivial_rejects_what_no_real_answer_is(value):
+    import numpy as np
+    import torch
+    import labkit as lk
+    value = eval(value) if isinstance(value, str) else value
+    with pytest.raises(AssertionError):
+        lk.nontrivial(value)
+
+
+def forbidden_answers():
+    """Every way an answer can reach the taught function: direct, alias, import, default argument, a module lookup, builtin."""
+    import torch
+    import torch.nn.functional as F
+    from labkit import zero
+
+    def direct(t):
+        return zero.shard(t, 0, 2)
+
+    def alias(t):
+        cut = zero.shard
+        return cut(t, 0, 2)
+
+    def imported(t):
+        from labkit.zero import shard as mine
+        return mine(t, 0, 2)
+
+    def default_argument(t, _lib=zero.shard):
+        return _lib(t, 0, 2)
+
+    def through_modules(t):
+        import importlib
+        return getattr(importlib.import_module("labkit.zero"), "shard")(t, 0, 2)
+
+    def builtin(t):
+        q = t.reshape(1, 1, -1, 2)
+        return F.scaled_dot_product_attention(q, q, q)
+
+    def pytorch_internals(t):
+        scale, growth = torch.ones(1), torch.zeros(1, dtype=torch.int32)
+        torch._amp_update_scale_(scale, growth, torch.zeros(1), 2.0, 0.5, 2000)
+        return scale
+    return [direct, alias, imported, default_argument, through_modules, builtin, pytorch_internals]
+
+
+@pytest.mark.parametrize("answer", forbidden_answers(), ids=lambda f: f.__name__)
+def test_an_answer_that_calls_the_taught_code_fails_however_it_gets_there(answer):
+    import torch
+    import torch.nn.functional as F
+    import labkit as lk
+    from labkit import zero
+    forbid = [zero, F.scaled_dot_product_attention, torch._amp_update_scale_]
+    with pytest.raises(AssertionError, match="your answer calls"):
+        with lk.exercise(3, "write it yourself", forbid=forbid):
+            answer(torch.arange(8.0))
+
+
+def test_forbid_lets_other_code_run_and_refuses_names(capsys):
+    import torch
+    import labkit as lk
+    from labkit import zero
+    with lk.exercise(1, "t", forbid=[zero, torch.amp.GradScaler]):
+        assert torch.arange(4.0).sum() == 6
+    assert "Exercise 1: passed" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="GradScaler"):
+        with lk.exercise(1, "t", forbid=[torch.amp.GradScaler]):
+            torch.amp.GradScaler("cpu", enabled=False)
+    with pytest.raises(TypeError, match="not its name"):
+        with lk.exercise(1, "t", forbid=["zero.shard"]):
+            pass
+
+
+def test_a_stub_is_not_attempted_but_a_missing_forward_is_an_error(capsys):
+    import torch
+    import labkit as lk
+
+    class Misspelt(torch.nn.Module):
+        def forwrad(self, x):
+            return x
+    with lk.exercise(2, "write it"):
+        raise NotImplementedError()
+    assert "not attempted" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="forward"):
+        with lk.exercise(2, "write it"):
+            Misspelt()(torch.ones(1))

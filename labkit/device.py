@@ -55,8 +55,10 @@ class _DropNotes(logging.Filter):
 
 @contextlib.contextmanager
 def _without_import_notes(package):
-    """Drop exactly the IMPORT_NOTES of `package` (a filter on each logger), only while it imports."""
-    filters = [(logging.getLogger(name), _DropNotes(prefix)) for name, prefix in IMPORT_NOTES.get(package, ())]
+    """Drop exactly the IMPORT_NOTES (a filter on each logger) while `package` imports: every package's notes,
+    since one package imports another (peft and accelerate import bitsandbytes)."""
+    notes = [note for name in sorted(IMPORT_NOTES, key=lambda n: n != package) for note in IMPORT_NOTES[name]]
+    filters = [(logging.getLogger(name), _DropNotes(prefix)) for name, prefix in notes]
     for log, f in filters:
         log.addFilter(f)
     try:

@@ -64,11 +64,29 @@ def _functions(obj, seen):
                 yield from _functions(value, seen)
     elif inspect.ismethod(obj):
         yield from _functions(obj.__func__, seen)
+    elif isinstance(obj, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+        yield from _aten(obj)
     elif inspect.isfunction(obj) or inspect.isbuiltin(obj) or isinstance(obj, types.MethodDescriptorType):
         yield inspect.unwrap(obj), _name(obj)
+        if inspect.isbuiltin(obj) and (getattr(obj, "__module__", None) or "").startswith("torch"):
+            packet = getattr(torch.ops.aten, obj.__name__, None) if hasattr(torch.ops.aten, obj.__name__) else None
+            if packet is not None:
+                yield from _aten(packet)          # the same op reached as torch.ops.aten.<name>(.overload)
     else:
         raise TypeError(f"forbid must hold functions, classes or modules (the code the exercise teaches), "
                         f"got {obj!r}" + (": pass the object itself, not its name" if isinstance(obj, str) else ""))
+
+
+def _aten(op):
+    """The C functions behind an aten operator (every overload of a packet) and its torch.<name> twin."""
+    packet = op.overloadpacket if isinstance(op, torch._ops.OpOverload) else op
+    name = packet._qualified_op_name.split("::")[-1]
+    overloads = [op] if isinstance(op, torch._ops.OpOverload) else [getattr(packet, o) for o in packet.overloads()]
+    for fn in [packet._op] + [o._op for o in overloads]:
+        yield fn, f"torch.ops.aten.{name}"
+    twin = getattr(torch, name, None)
+    if inspect.isbuiltin(twin):
+        yield twin, f"torch.{name}"
 
 
 class _Watch:
@@ -78,15 +96,17 @@ class _Watch:
     def __init__(self, forbid):
         if isinstance(forbid, (str, bytes)) or not isinstance(forbid, (list, tuple, set, frozenset)):
             raise TypeError(f"forbid must be a list of functions, classes or modules, got {forbid!r}")
-        self.codes, self.builtins, seen = {}, {}, set()
+        self.codes, self.builtins, self.keep, seen = {}, {}, [], set()
         for item in forbid:
             for fn, name in _functions(item, seen):
                 code = getattr(fn, "__code__", None)
                 if code is not None:
                     self.codes[code] = name
                 else:
-                    self.builtins[(getattr(fn, "__module__", None), fn.__name__)] = name
+                    if fn.__name__:                  # an overload's C function is nameless: identity only
+                        self.builtins[(getattr(fn, "__module__", None), fn.__name__)] = name
                     self.builtins[id(fn)] = name
+                    self.keep.append(fn)             # ids stay valid while the watch lives
         self.called = None
 
     def __call__(self, frame, event, arg):

@@ -276,3 +276,18 @@ def test_a_stub_is_not_attempted_but_a_missing_forward_is_an_error(capsys):
     with pytest.raises(AssertionError, match="forward"):
         with lk.exercise(2, "write it"):
             Misspelt()(torch.ones(1))
+
+
+@pytest.mark.parametrize("route", ["torch", "packet", "overload"])
+def test_forbid_covers_an_aten_operator_by_every_route(route):
+    import torch
+    import labkit as lk
+    calls = {"torch": torch._amp_update_scale_, "packet": torch.ops.aten._amp_update_scale_,
+             "overload": torch.ops.aten._amp_update_scale_.default}
+    for target in calls.values():
+        scale, growth = torch.ones(1), torch.zeros(1, dtype=torch.int32)
+        with pytest.raises(AssertionError, match="your answer calls"):
+            with lk.exercise(1, "write the scale update", forbid=[target]):
+                calls[route](scale, growth, torch.zeros(1), 2.0, 0.5, 2000)
+    with lk.exercise(1, "other operators still run", forbid=[torch._amp_update_scale_]):
+        torch.ops.aten.add.Tensor(torch.ones(1), torch.ones(1))

@@ -2,42 +2,60 @@
 PY      ?= python3
 VENV    ?= .venv
 PYTHON  ?= $(VENV)/bin/python
-# The lock: every package's version as verified by `make test` (see `make lock`); pip reads it as constraints.
+# The lock: every package's version for every platform, as verified by `make test` (see `make lock`); pip
+# reads it as constraints, and its environment markers pick the lines for this machine.
 LOCK    := labkit/lock.txt
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 TORCH   := torch==2.13.0
+# Where torch comes from: the registry (PyPI) by default, whose Linux torch is a CUDA build (several GB of
+# CUDA libraries). A Linux laptop without a GPU can take the CPU-only build instead, on a fresh .venv:
+#   make lab TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+TORCH_FROM   = $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple)
 TESTENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 LABKIT_SIZE=tiny MPLBACKEND=Agg HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Two notebooks at a time, each file's tests (a notebook's cells: one kernel) in one worker.
 WORKERS ?= 2
 PYTEST  := -m pytest -n $(WORKERS) --dist loadfile -p no:cacheprovider
 NBVAL   := --nbval-lax --nbval-cell-timeout=300
 LOCKENV := build/lock-env
+# `make lab` opens the student build (build/student: solutions stubbed, checks "not attempted"), brought in
+# step with notebooks/ on every start; `make lab KEY=1` opens the answer key, notebooks/ itself.
+KEY     ?=
+LAB_DIR  = $(if $(KEY),notebooks,build/student)
 # How `make lab` starts JupyterLab (tests/browser reads these two lines): notebook 00 first; the project's
 # settings overrides (no news toast) and config (nbgrader's instructor tools off), not the user's own.
 LAB_ENV  := JUPYTER_CONFIG_PATH=$(CURDIR)/jupyter/config
-LAB_ARGS := --ServerApp.root_dir=notebooks --LabApp.default_url=/lab/tree/00_start_here.ipynb --LabApp.app_settings_dir=$(CURDIR)/jupyter/settings
+LAB_ARGS := --ServerApp.root_dir=$(LAB_DIR) --LabApp.default_url=/lab/tree/00_start_here.ipynb --LabApp.app_settings_dir=$(CURDIR)/jupyter/settings
+# The GPU targets run with any Python that has torch (PYTHON=python3 on a machine with a CUDA torch): labkit
+# comes from this folder through PYTHONPATH, nothing is installed, and nbval's kernels (started in
+# notebooks/) inherit it.
+GPUENV   = PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) MPLBACKEND=Agg HF_HUB_OFFLINE=1
+# The system's Chromium (Debian: /usr/bin/chromium) unless named: make test-browser CHROMIUM=/usr/bin/google-chrome
+CHROMIUM ?= $(firstword $(wildcard /usr/bin/chromium) $(shell command -v chromium 2>/dev/null))
 COURSE  := tests/course
 BROWSER := tests/browser
 
-.PHONY: env lab test test-unit test-notebooks test-gpu test-course test-browser workbook student instructor bench lock clean
+.PHONY: env lab test test-unit test-notebooks test-gpu gpu-smoke check-resolution test-course test-browser workbook student instructor bench lock clean
 
 # The environment: torch first (pinned, so nothing pulls another multi-GB build), then labkit and its
 # extras, every package at the version the lock names.
 $(STAMP): pyproject.toml $(LOCK)
-	@test -x $(PYTHON) || $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11, 5))' || \
-	  { echo "$(PY) is $$($(PY) -V 2>&1); the locked versions need Python 3.11.5 or newer."; \
+	@test -x $(PYTHON) || $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+	  { echo "$(PY) is $$($(PY) -V 2>&1); the locked versions need Python 3.11 or newer (3.11-3.13 are checked)."; \
 	    echo "Run e.g. 'make $(or $(MAKECMDGOALS),env) PY=python3.12', or use environment.yml with conda."; exit 2; }
 	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install -q -c $(LOCK) --upgrade pip
-	$(PYTHON) -m pip install -q -c $(LOCK) $(TORCH)
+	$(PYTHON) -m pip install -q -c $(LOCK) $(TORCH_FROM) $(TORCH)
 	$(PYTHON) -m pip install -q -c $(LOCK) -e '.[all]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
 env: $(STAMP)
 
 lab: env
-	@echo "Starting JupyterLab on notebooks/ (open the URL it prints; Ctrl-C to stop)."
-	HF_HUB_OFFLINE=1 $(LAB_ENV) $(VENV)/bin/jupyter lab $(LAB_ARGS) $(if $(DISPLAY),,--no-browser) $(if $(filter 0,$(shell id -u)),--allow-root)
+	@if [ -n "$(KEY)" ]; then echo "The answer key: notebooks/ (every solution written out; plain make lab opens the exercises)."; \
+	  else $(PYTHON) -m labkit.cli student --in-step; fi
+	@echo "Starting JupyterLab on $(LAB_DIR)/ (open the URL it prints; Ctrl-C to stop)."
+	HF_HUB_OFFLINE=1 $(LAB_ENV) $(PYTHON) -m jupyter lab $(LAB_ARGS) $(if $(DISPLAY),,--no-browser) $(if $(filter 0,$(shell id -u)),--allow-root)
 
 test: env
 	$(TESTENV) $(PYTHON) $(PYTEST) tests notebooks $(NBVAL) --ignore=$(COURSE) --ignore=$(BROWSER)
@@ -48,13 +66,30 @@ test-unit: env
 test-notebooks: env
 	$(TESTENV) $(PYTHON) $(PYTEST) notebooks $(NBVAL)
 
-# On a CUDA machine: every notebook at full size, plus the GPU-only checks in tests/test_gpu.py.
+# On a CUDA machine: every notebook at full size, plus the GPU-only checks in tests/test_gpu.py; with .venv
+# (make env) or with a Python that already has a CUDA torch: make test-gpu PYTHON=python3.
 test-gpu:
-	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || \
-	  { echo "make test-gpu needs a CUDA GPU, and torch sees none here. Use 'make test' for the tiny size on a CPU."; exit 2; }
-	LABKIT_SIZE=full MPLBACKEND=Agg HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests/test_gpu.py notebooks \
-	  --nbval-lax --nbval-cell-timeout=900 -p no:cacheprovider
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) does not exist: run 'make env' first, or name a Python that has a CUDA torch: make test-gpu PYTHON=python3"; exit 2; }
+	@$(GPUENV) $(PYTHON) labkit/scripts/check_python.py test-gpu
+	$(GPUENV) LABKIT_SIZE=full $(PYTHON) -m pytest tests/test_gpu.py notebooks \
+	  --nbval-lax --nbval-current-env --nbval-cell-timeout=900 -p no:cacheprovider
 
+# At most 6 minutes on one CUDA GPU: the most valuable GPU checks first, each result a JSON line in
+# data/gpu/<gpu>.jsonl (labkit/scripts/gpu_smoke.py; without CUDA it says so and exits 2, as does make).
+# SMOKE_ARGS: the script's own options, e.g. SMOKE_ARGS="--only flash,tf32".
+SMOKE_ARGS ?=
+gpu-smoke:
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) does not exist: run 'make env' first, or name a Python that has a CUDA torch: make gpu-smoke PYTHON=python3"; exit 2; }
+	@$(GPUENV) $(PYTHON) labkit/scripts/check_python.py gpu-smoke
+	$(GPUENV) $(PYTHON) -m labkit.scripts.gpu_smoke $(SMOKE_ARGS)
+
+# Needs the package registry: the lock resolves, wheels only, on macOS arm64, Windows x86-64, Linux aarch64
+# and x86-64 for Python 3.11-3.13, and installs here as `make env` does from the registry alone.
+check-resolution: env
+	LABKIT_RESOLVE=1 $(PYTHON) -m pytest -p no:cacheprovider -q tests/test_resolution.py
+
+# Each cell may run 300 s at tiny size, 900 s at full (labkit workbook --cell-timeout): a notebook that hangs
+# fails, and the next one runs.
 workbook: env
 	HF_HUB_OFFLINE=1 $(PYTHON) -m labkit.cli workbook
 
@@ -70,34 +105,43 @@ instructor: env
 test-course: env
 	$(TESTENV) PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PYTHON) $(PYTEST) --dist load $(COURSE)
 
-# JupyterLab driven in the system's Chromium (Debian: apt-get install -y chromium); Playwright's Python
-# package only, never a browser of its own. Screenshots in build/browser/.
+# JupyterLab driven in the system's Chromium (Debian: apt-get install -y chromium) or a Chrome named with
+# CHROMIUM=...; Playwright's Python package only, never a browser of its own. Screenshots in build/browser/.
 test-browser: env
-	@test -x /usr/bin/chromium || command -v chromium >/dev/null || \
-	  { echo "make test-browser drives the system Chromium: install it first (Debian/Ubuntu: sudo apt-get install -y chromium)."; exit 2; }
+	@test -n "$(CHROMIUM)" && test -x "$(CHROMIUM)" || \
+	  { echo "make test-browser drives the system's Chromium or Chrome: install it (Debian: sudo apt-get install -y chromium)"; \
+	    echo "or name it: make test-browser CHROMIUM=/usr/bin/google-chrome (Ubuntu's chromium is a snap: use Chrome)."; exit 2; }
 	$(PYTHON) -m pip install -q -c $(LOCK) -e '.[browser]'
-	$(TESTENV) $(PYTHON) -m pytest -p no:cacheprovider -s $(BROWSER)
+	CHROMIUM=$(CHROMIUM) $(TESTENV) $(PYTHON) -m pytest -p no:cacheprovider -s $(BROWSER)
 
 bench: env
 	$(TESTENV) $(PYTHON) benchmarks/estimate_table.py
 	$(TESTENV) $(PYTHON) benchmarks/track_overhead.py
 
-# A new lock: pyproject.toml resolved afresh (newest allowed versions) in a clean venv, frozen with torch
-# first and without local build labels (+cpu), then every test against it. Commit it only if this passes;
-# on failure the old lock comes back and the new one stays in build/lock.failed.txt.
+# A new lock: pyproject.toml resolved for every platform and Python 3.11-3.13 at once (uv pip compile
+# --universal, environment markers where they differ), keeping each version the old lock names where it
+# still fits (UPGRADE=1: the newest allowed), torch first; then the resolution checks (wheels only, every
+# platform; needs the registry) and every test in a clean venv against it. It is kept only if all pass; on
+# failure the old lock comes back and the new one stays in build/lock.failed.txt.
+UV_COMPILE = pip compile pyproject.toml - --all-extras --universal --python-version 3.11 --no-config \
+             --no-header --no-annotate $(if $(UPGRADE),--upgrade)
 lock:
-	rm -rf $(LOCKENV) && $(PY) -m venv $(LOCKENV)
+	rm -rf $(LOCKENV) && $(PY) -m venv $(LOCKENV) && mkdir -p build
+	$(LOCKENV)/bin/python -m pip install -q -c $(LOCK) uv
+	cp $(LOCK) build/lock.old.txt && cp $(LOCK) build/lock.resolved.txt
+	echo pip | $(LOCKENV)/bin/python -m uv $(UV_COMPILE) -o build/lock.resolved.txt
 	$(LOCKENV)/bin/python -m pip install -q --upgrade pip
-	$(LOCKENV)/bin/python -m pip install -q $(TORCH)
-	$(LOCKENV)/bin/python -m pip install -q -e '.[all]'
-	$(LOCKENV)/bin/python -m pip freeze --all --exclude-editable | sed 's/+[^ ]*$$//' > build/freeze.txt
-	cp $(LOCK) build/lock.old.txt
-	{ echo "# Every package's version, as installed by \`make lock\` and verified by \`make test\` on"; \
-	  $(LOCKENV)/bin/python -c "import platform, torch; print('#', platform.system(), platform.machine(), \
-	    'CPython', platform.python_version(), 'with torch', torch.__version__)"; \
-	  echo "# pip constraints (-c) for make and environment.yml; \`labkit doctor\` compares with it. Do not edit."; \
-	  grep '^torch==' build/freeze.txt; grep -v '^torch==' build/freeze.txt; } > $(LOCK)
-	$(TESTENV) $(LOCKENV)/bin/python $(PYTEST) tests notebooks $(NBVAL) \
+	$(LOCKENV)/bin/python -m pip install -q -c build/lock.resolved.txt $(TORCH_FROM) $(TORCH)
+	{ echo "# Every package's version, for every platform and Python 3.11-3.13 (a universal lock, environment markers"; \
+	  echo "# on the lines that differ), resolved by \`make lock\` (uv pip compile --universal) from pyproject.toml and"; \
+	  $(LOCKENV)/bin/python -c "import platform, torch; print('# verified by \`make test\` on', platform.system(), \
+	    platform.machine(), 'CPython', platform.python_version(), 'with torch', torch.__version__ + ';', '.ci/run checks that it')"; \
+	  echo "# resolves, wheels only, on macOS arm64, Windows x86-64, Linux aarch64 and x86-64 (labkit/scripts/check_resolution.py)."; \
+	  echo "# pip constraints (-c) for make and environment.yml; \`labkit doctor\` compares with the lines for its machine. Do not edit."; \
+	  grep '^torch==' build/lock.resolved.txt; grep -v '^torch==' build/lock.resolved.txt; } > $(LOCK)
+	$(LOCKENV)/bin/python -m pip install -q -c $(LOCK) -e '.[all]'
+	{ $(LOCKENV)/bin/python -m labkit.scripts.check_resolution && \
+	  $(TESTENV) $(LOCKENV)/bin/python $(PYTEST) tests notebooks $(NBVAL) --ignore=$(COURSE) --ignore=$(BROWSER); } \
 	  || { cp $(LOCK) build/lock.failed.txt; cp build/lock.old.txt $(LOCK); exit 1; }
 	@echo "$(LOCK) rewritten and verified: review \`git diff $(LOCK)\`, commit it, then \`make env\` installs it."
 

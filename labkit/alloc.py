@@ -9,7 +9,8 @@ It replays an allocation trace (what `lk.track()` records, or any list of `(key,
 - best fit (the smallest cached block that holds the request, lowest address on ties), the split rules,
   `max_split_size_mb` (oversize blocks are never split and not handed to small requests);
 - coalescing of free neighbours on free; nothing returns to the device on free;
-- `empty_cache()`: only wholly free segments go back; `garbage_collection_threshold` with a memory fraction;
+- `empty_cache()`: only wholly free segments go back; `garbage_collection_threshold` under a memory
+  fraction below 1.0 (`set_memory_fraction` sets no limit at 1.0, so no GC runs there);
   `expandable_segments` (one virtual range per pool, mapped in pages);
 - the out-of-memory path: release oversize cached blocks, then every free segment, retry, else raise.
 
@@ -84,6 +85,8 @@ def _tokens(text):
 
 
 def _int(value, key):
+    if not isinstance(value, str):             # a bracketed list where one number belongs: key:[64]
+        raise ValueError(f"{key} must be an integer, got [{''.join(value)}]")
     try:
         v = int(value)
     except ValueError:
@@ -110,6 +113,18 @@ def parse_conf(text=""):
         raise TypeError(f"conf must be a PYTORCH_CUDA_ALLOC_CONF string, got {type(text).__name__}")
     tok = _tokens(text)
     kw, i = {}, 0
+    # large_segment_size_mb first, wherever it stands: the two sizes below must be at least it, and
+    # max_non_split_rounding defaults to it (AcceleratorAllocatorConfig::parseArgs reads it first too).
+    segment_mb = 20
+    for k in range(len(tok) - 2):
+        if tok[k] == "large_segment_size_mb" and tok[k + 1] == ":":
+            value = tok[k + 2]
+            if value == "[":
+                value = tok[k + 3:tok.index("]", k) if "]" in tok[k:] else len(tok)]
+            segment_mb = _int(value, "large_segment_size_mb")
+            if segment_mb <= K_MIN_LARGE_ALLOC // MiB:
+                raise ValueError(f"large_segment_size_mb must be > {K_MIN_LARGE_ALLOC // MiB} MB, got {segment_mb}")
+    kw["max_non_split_rounding"] = kw["large_segment_size"] = segment_mb * MiB
     while i < len(tok):
         key = tok[i]
         if key == ",":
@@ -128,21 +143,14 @@ def parse_conf(text=""):
             value, i = tok[i + 1:j], j + 1
         else:
             value, i = tok[i], i + 1
-        if key == "max_split_size_mb":
+        if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
             v = _int(value, key)
-            if v < 20:
-                raise ValueError(f"max_split_size_mb too small, must be >= 20, got {v}")
-            kw["max_split_size"] = min(v, SIZE_MAX // MiB) * MiB
-        elif key == "max_non_split_rounding_mb":
-            v = _int(value, key)
-            if v < 20:
-                raise ValueError(f"max_non_split_rounding_mb too small, must be >= 20, got {v}")
-            kw["max_non_split_rounding"] = v * MiB
+            if v < segment_mb:
+                raise ValueError(f"{key} too small, must be >= {segment_mb} (large_segment_size_mb), got {v}")
+            kw["max_split_size" if key == "max_split_size_mb" else "max_non_split_rounding"] = \
+                min(v, SIZE_MAX // MiB) * MiB
         elif key == "large_segment_size_mb":
-            v = _int(value, key)
-            if v <= 2:
-                raise ValueError(f"large_segment_size_mb must be > 2, got {v}")
-            kw["large_segment_size"] = v * MiB
+            pass                                      # read above
         elif key == "garbage_collection_threshold":
             try:
                 v = float(value)
@@ -152,7 +160,10 @@ def parse_conf(text=""):
                 raise ValueError(f"garbage_collection_threshold must be in (0.0, 1.0), got {v}")
             kw["garbage_collection_threshold"] = v
         elif key == "per_process_memory_fraction":
-            v = float(value)
+            try:
+                v = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"per_process_memory_fraction must be a number, got {value!r}") from None
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"per_process_memory_fraction must be in [0.0, 1.0], got {v}")
             kw["per_process_memory_fraction"] = v
@@ -171,8 +182,9 @@ def parse_conf(text=""):
 def _parse_divisions(value):
     if isinstance(value, str):                      # one number for every interval
         d = _int(value, "roundup_power2_divisions")
-        if d and not _pow2(d):
-            raise ValueError(f"roundup_power2_divisions must be a power of 2 or 0, got {d}")
+        if not _pow2(d):         # PyTorch's single-number form: a power of 2 (0 only inside [...])
+            raise ValueError(f"roundup_power2_divisions must be a power of 2 (0 only in the [size:divisions] "
+                             f"form), got {d}")
         return (d,) * K_INTERVALS
     divs, first, last = [0] * K_INTERVALS, True, 0
     items = [t for t in value if t != ","]
@@ -287,7 +299,9 @@ class Allocator:
                 raise ValueError("fraction needs device= (the memory it is a fraction of), got device=None")
         self.fraction = fraction
         self.allowed = None if fraction is None else int(fraction * self.device)
-        self.gc = self.allowed is not None and self.cfg.garbage_collection_threshold > 0
+        # set_memory_fraction sets no limit at 1.0 (`if (fraction < 1.0)` in DeviceCachingAllocator), and
+        # garbage collection runs only under a limit: at 1.0 the threshold does nothing, as on a GPU.
+        self.gc = fraction is not None and fraction < 1.0 and self.cfg.garbage_collection_threshold > 0
         self.small, self.large = _Pool(True), _Pool(False)
         self.segments = {}            # address -> (size, small) for device-malloc'ed segments
         self.allocated = self.reserved = 0
@@ -320,7 +334,7 @@ class Allocator:
             if not block:
                 self.ooms += 1
                 free = None if self.device is None else self.device - self.reserved
-                self._trace("oom", 0, nbytes, device_free=free)
+                self._trace("oom", 0, size, device_free=free)          # the rounded size, as PyTorch records
                 raise torch.OutOfMemoryError(
                     f"model allocator: tried to allocate {fmt_bytes(nbytes)}; reserved {fmt_bytes(self.reserved)}, "
                     f"allocated {fmt_bytes(self.allocated)}, device {fmt_bytes(self.device)}"
@@ -727,6 +741,15 @@ def _events(trace):
     """(key, +bytes) / (key, -bytes) pairs from a list of tuples or a `track()` report."""
     if hasattr(trace, "trace") and not isinstance(trace, (list, tuple)):
         trace = trace.trace
+    if not isinstance(trace, (list, tuple)):
+        raise TypeError(f"trace must be a list of (key, nbytes, ...) tuples or a track() report, "
+                        f"got {type(trace).__name__}")
+    for i, ev in enumerate(trace):
+        if not isinstance(ev, (list, tuple)) or len(ev) < 2:
+            raise ValueError(f"trace[{i}] must be a (key, nbytes, ...) tuple, got {ev!r}")
+        n = ev[1]
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise ValueError(f"trace[{i}] nbytes must be an int (> 0 allocates, < 0 frees), got {n!r}")
     return trace
 
 

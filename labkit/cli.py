@@ -8,8 +8,8 @@ import re
 
 from .course import agenda, fill_agendas, instructor, strip_solutions, student
 
-__all__ = ["main", "readiness", "notebook_meta", "strip_solutions", "index_html", "read_lock", "lock_differences",
-           "affects"]
+__all__ = ["main", "readiness", "notebook_meta", "strip_solutions", "index_html", "read_lock", "lock_lines",
+           "lock_differences", "affects", "platform_notes"]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS, BUILD = ROOT / "notebooks", ROOT / "build"
@@ -22,37 +22,119 @@ def notebook_meta(folder=NOTEBOOKS):
             for p in sorted(pathlib.Path(folder).glob("[0-9][0-9]_*.ipynb"))}
 
 
-def readiness(meta):
-    """('full' | 'partly' | 'no', reasons) for one notebook's metadata, on this machine."""
+def readiness(meta, linux_only=None):
+    """('full' | 'partly' | 'no', reasons) for one notebook's metadata, on this machine.
+
+    `linux_only`: why this notebook needs Linux, where this machine is not Linux (platform_notes).
+    """
     from .device import has
     missing = [f for f in meta.get("requires", []) if not has(f)]
+    if linux_only:
+        return "no", [f"needs Linux: it {linux_only}", *(f"needs {f}" for f in missing)]
     if missing:
         return "no", [f"needs {f}" for f in missing]
     skipped = [f"without {f}: skips {what}" for f, what in meta.get("optional", {}).items() if not has(f)]
     return ("partly" if skipped else "full"), skipped
 
 
+# What needs Linux, and why: notebook file name prefix -> the reason, for each system that lacks it.
+_TORCHRUN = ("starts its ranks with torchrun over gloo, and labkit.parallel.launch stops them as a POSIX "
+             "process group (os.killpg), which native Windows lacks")
+_ENGINES = ("measures each engine's memory from Linux's /proc/self (VmHWM, clear_refs) with glibc's "
+            "MALLOC_MMAP_THRESHOLD_ set")
+NEEDS_LINUX = {
+    "Windows": {"09_": _TORCHRUN, "10_": _TORCHRUN,
+                "11_": _ENGINES + "; torch.compile's Inductor also builds C++ there (MSVC's cl.exe, "
+                                  "from Visual Studio's Build Tools)"},
+    "Darwin": {"11_": _ENGINES},
+}
+
+
+def platform_notes(system=None, compiler=None):
+    """(lines to print, {notebook prefix: why it needs Linux}) for this operating system.
+
+    `system` is platform.system() ('Linux', 'Darwin', 'Windows'); `compiler` the C++ compiler that
+    Inductor needs for torch.compile on a CPU (notebook 11): None looks on PATH, False means none.
+    """
+    import platform
+    import shutil
+    system = platform.system() if system is None else system
+    if compiler is None:
+        compiler = next((c for c in ("c++", "g++", "clang++", "cl") if shutil.which(c)), False)
+    linux_only = NEEDS_LINUX.get(system, {})
+    lines = []
+    if system == "Darwin":
+        lines += ["macOS: every notebook runs at the tiny size on the CPU. Apple's GPU (MPS) is not used: "
+                  "labkit measures CUDA or the CPU, and lk.device() is 'cpu' here.",
+                  "triton has no macOS wheels: notebooks 08 and 12 run their plain PyTorch twins of the "
+                  "Triton kernels."]
+    elif system == "Windows":
+        lines += ["Windows: WSL2 is the supported path (wsl --install, then in Ubuntu: git clone, make lab), "
+                  "where make, gloo and torchrun work as on Linux.",
+                  "Natively (the pip route) triton has no wheels: notebooks 08 and 12 run their plain "
+                  "PyTorch twins of the Triton kernels; the notebooks below need Linux."]
+    elif system != "Linux":
+        lines += [f"{system}: not a platform this workbook is verified on (Linux, macOS, Windows)."]
+    if not compiler and "11_" not in linux_only:
+        lines += ["No C++ compiler on PATH (c++, g++, clang++ or cl): torch.compile's Inductor needs one on a "
+                  "CPU (notebook 11). Debian/Ubuntu: apt-get install g++; macOS: xcode-select --install."]
+    return lines, linux_only
+
+
 def _norm(name):
     return re.sub(r"[-_.]+", "-", name).lower()          # PyPI's spelling: PyYAML, pyyaml, py_yaml alike
 
 
-def read_lock(path=LOCK):
-    """{package: version} that the lock pins (`name==version` lines; comments and blank lines skipped)."""
-    pins = {}
+def lock_lines(path=LOCK):
+    """[(package, version, marker or None)] for every line of the lock, in order (comments skipped).
+
+    The lock is universal (`make lock`: uv pip compile --universal): one line per package and platform
+    family, `name==version ; marker` where the version or the package itself depends on the platform or
+    the Python (triton on Linux only, pywinpty on Windows only, ...). pip reads it with `-c` as it is.
+    """
+    from packaging.markers import InvalidMarker, Marker
+    lines = []
     for line in pathlib.Path(path).read_text().splitlines():
         line = line.split("#")[0].strip()
-        if line:
-            name, sep, version = line.partition("==")
-            if not sep:
-                raise ValueError(f"lock {path}: expected name==version, got {line!r}")
-            pins[_norm(name)] = version.strip()
+        if not line:
+            continue
+        spec, _, marker = line.partition(";")
+        name, sep, version = spec.partition("==")
+        if not sep or not name.strip() or not version.strip() or " " in version.strip():
+            raise ValueError(f"lock {path}: expected name==version [; marker], got {line!r}")
+        try:
+            marker = Marker(marker) if marker.strip() else None
+        except InvalidMarker as err:
+            raise ValueError(f"lock {path}: bad environment marker in {line!r}: {err}") from None
+        lines.append((_norm(name.strip()), version.strip(), marker))
+    return lines
+
+
+def read_lock(path=LOCK, environment=None):
+    """{package: version} that the lock pins for one machine: the lines whose markers apply to it.
+
+    `environment` is a dict of marker variables (packaging.markers.default_environment() keys) that
+    overrides this machine's, e.g. {"sys_platform": "darwin", "platform_machine": "arm64"}.
+    """
+    from packaging.markers import default_environment
+    env = {**default_environment(), "extra": "", **(environment or {})}
+    pins = {}
+    for name, version, marker in lock_lines(path):
+        if marker is None or marker.evaluate(env):
+            if name in pins and pins[name] != version:
+                raise ValueError(f"lock {path}: {name} is pinned to both {pins[name]} and {version} "
+                                 f"for this machine; its markers overlap")
+            pins[name] = version
     return pins
 
 
-def lock_differences(lock=LOCK, installed=None):
+def lock_differences(lock=LOCK, installed=None, environment=None, needed=None):
     """[(package, locked version, installed version or None)] for each pin this environment does not match.
 
-    A local build label counts as the same version, as it does for pip: torch 2.13.0+cpu is torch==2.13.0.
+    Only the lock's lines whose markers apply here count (read_lock). A local build label counts as the
+    same version, as it does for pip: torch 2.13.0+cpu is torch==2.13.0. `needed`: the packages whose
+    absence counts (None: every one); a CPU-only torch needs none of the CUDA libraries the lock pins
+    for Linux's CUDA torch.
     """
     from importlib.metadata import distributions
     from packaging.version import Version
@@ -61,8 +143,14 @@ def lock_differences(lock=LOCK, installed=None):
         for d in distributions():                         # the first one on sys.path is what imports
             if d.metadata["Name"]:
                 installed.setdefault(_norm(d.metadata["Name"]), d.version)
-    return [(name, want, installed.get(name)) for name, want in read_lock(lock).items()
-            if name not in installed or Version(Version(installed[name]).public) != Version(want)]
+    return [(name, want, installed.get(name)) for name, want in read_lock(lock, environment).items()
+            if (name in installed and Version(Version(installed[name]).public) != Version(want))
+            or (name not in installed and (needed is None or name in needed))]
+
+
+def _installed_names():
+    from importlib.metadata import distributions
+    return {_norm(d.metadata["Name"]) for d in distributions() if d.metadata["Name"]}
 
 
 def _dependency_graph():
@@ -127,8 +215,12 @@ def _notebook_uses(folder=NOTEBOOKS):
     return uses
 
 
-def doctor(lock=LOCK):
-    """The environment, its versions against the lock, and which notebooks run here. 1 if LABKIT_SIZE is bad."""
+def doctor(lock=LOCK, system=None):
+    """The environment, its versions against the lock, and which notebooks run here. 1 if LABKIT_SIZE is bad.
+
+    Only the lock's lines whose markers apply to this machine count. `system` (platform.system()'s
+    name) is for tests: what doctor says on another operating system.
+    """
     import os
     from unittest import mock
     from .device import report, size
@@ -140,22 +232,38 @@ def doctor(lock=LOCK):
         status = 1
     with mock.patch.dict(os.environ, {"LABKIT_SIZE": ""} if status else {}):
         report()
-    print(f"\nVersions against the lock ({lock}):")
+    print(f"\nVersions against the lock ({lock}, the lines for this platform and Python):")
     if pathlib.Path(lock).exists():
-        diffs, direct, up, uses = lock_differences(lock), *_dependency_graph(), _notebook_uses()
+        direct, up = _dependency_graph()
+        # Missing counts for what labkit or an installed package requires here (not the CUDA libraries of
+        # Linux's CUDA torch beside a CPU-only one); without an installed labkit, every pin counts.
+        diffs = lock_differences(lock, needed=({"labkit", *direct, *up} if direct else None))
+        uses = _notebook_uses()
         for name, want, have in diffs:
             where = affects(name, direct, up, uses)
             print(f"  {name:<26} {have or 'missing':<14} lock {want:<12} may affect: {where}")
+        pins = read_lock(lock)
+        unused = [n for n in pins if n not in _installed_names() and n not in {d[0] for d in diffs}]
         if diffs:
-            print(f"  {len(diffs)} of {len(read_lock(lock))} differ. `make env` installs the locked versions; "
+            print(f"  {len(diffs)} of {len(pins)} differ. `make env` installs the locked versions; "
                   "a GPU machine may keep its own torch.")
         else:
-            print(f"  all {len(read_lock(lock))} pinned packages match")
+            print(f"  all {len(pins) - len(unused)} pinned packages match")
+        if unused:
+            print(f"  ({len(unused)} more pins for this platform are for packages nothing here requires, "
+                  f"{', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}; beside a CPU-only torch, the CUDA "
+                  "libraries of the registry's torch)")
     else:
         print("  no lock there: versions not checked")
+    notes, linux_only = platform_notes(system)
+    if notes:
+        print("\nThis platform:")
+        for line in notes:
+            print(f"  {line}")
     print("\nNotebooks here:")
     for name, meta in notebook_meta().items():
-        verdict, reasons = readiness(meta)
+        verdict, reasons = readiness(meta, next((why for pre, why in linux_only.items() if name.startswith(pre)),
+                                                None))
         minutes = f"{meta.get('minutes_tiny', '?')} min tiny / {meta.get('minutes_full', '?')} min full"
         print(f"  {verdict:<7} {name:<40} {minutes}")
         for r in reasons:
@@ -197,8 +305,17 @@ def index_html(records, executed):
             + "".join(rows) + "</table>")
 
 
-def workbook(folder=NOTEBOOKS, build=BUILD):
-    """Execute every notebook at the detected size into build/executed/, HTML into build/html/."""
+# A cell that runs longer than this fails its notebook, and the workbook goes on to the next one
+# (as nbval's --nbval-cell-timeout does for `make test` and `make test-gpu`).
+CELL_TIMEOUT_S = {"tiny": 300, "full": 900}
+
+
+def workbook(folder=NOTEBOOKS, build=BUILD, cell_timeout=None):
+    """Execute every notebook at the detected size into build/executed/, HTML into build/html/.
+
+    Each cell may run `cell_timeout` seconds (default CELL_TIMEOUT_S for the size); a notebook whose
+    cell runs longer, or whose kernel dies, is marked FAILED, its kernel shut down, and the next one runs.
+    """
     import time
     import nbformat
     from nbclient import NotebookClient
@@ -208,6 +325,10 @@ def workbook(folder=NOTEBOOKS, build=BUILD):
     executed_dir, html_dir = pathlib.Path(build) / "executed", pathlib.Path(build) / "html"
     executed_dir.mkdir(parents=True, exist_ok=True)
     html_dir.mkdir(parents=True, exist_ok=True)
+    if cell_timeout is None:
+        cell_timeout = CELL_TIMEOUT_S[size()]
+    if isinstance(cell_timeout, bool) or not isinstance(cell_timeout, int) or cell_timeout <= 0:
+        raise ValueError(f"cell_timeout must be a positive number of seconds, got {cell_timeout!r}")
     status = {}
     paths = sorted(pathlib.Path(folder).glob("[0-9][0-9]_*.ipynb"))
     for i, path in enumerate(paths, 1):
@@ -215,10 +336,13 @@ def workbook(folder=NOTEBOOKS, build=BUILD):
         nb = nbformat.read(path, as_version=4)
         t0 = time.time()
         try:
-            NotebookClient(nb, timeout=1800, resources={"metadata": {"path": str(path.parent)}}).execute()
+            NotebookClient(nb, timeout=cell_timeout, startup_timeout=120, shutdown_kernel="immediate",
+                           resources={"metadata": {"path": str(path.parent)}}).execute()
             status[path.name] = f"ok in {time.time() - t0:.0f} s"
         except Exception as e:                       # keep going: the index says which one failed
-            status[path.name] = f"FAILED after {time.time() - t0:.0f} s: {type(e).__name__}"
+            timed_out = type(e).__name__ == "CellTimeoutError"
+            status[path.name] = (f"FAILED after {time.time() - t0:.0f} s: "
+                                 + (f"a cell ran past {cell_timeout} s" if timed_out else type(e).__name__))
         print(f"    {status[path.name]}", flush=True)
         nbformat.write(nb, executed_dir / path.name)
         body, _ = HTMLExporter().from_notebook_node(nb)
@@ -229,13 +353,57 @@ def workbook(folder=NOTEBOOKS, build=BUILD):
     return 0 if all(v.startswith("ok") for v in status.values()) else 1
 
 
+def student_in_step(folder=NOTEBOOKS, dest=BUILD / "student"):
+    """The student build in `dest` brought in step with `folder` (what `make lab` opens), keeping the learner's work.
+
+    A notebook the learner has not changed since it was written here (its hash is in
+    dest/.labkit-student.json) is rewritten from `folder`; a missing one is written. One the learner
+    has changed is kept as it is; if the course's version changed since, the new student version goes
+    to dest/updated/ beside it, and a line says so. Returns the notebooks written or updated.
+    """
+    import hashlib
+    import tempfile
+    dest = pathlib.Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    state_path = dest / ".labkit-student.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    def digest(data):
+        return hashlib.sha256(data).hexdigest()
+
+    written = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for fresh in student(folder, tmp, quiet=True):
+            new, target = fresh.read_bytes(), dest / fresh.name
+            mine = digest(target.read_bytes()) if target.exists() else None
+            if mine is None or mine == state.get(fresh.name):       # absent, or as we wrote it: in step
+                if mine != digest(new):
+                    target.write_bytes(new)
+                    written.append(target)
+                state[fresh.name] = digest(new)
+            elif mine == digest(new):
+                state[fresh.name] = mine
+            elif digest(new) != state.get(f"{fresh.name} offered"):   # the learner's copy, and a new course one
+                (dest / "updated").mkdir(exist_ok=True)
+                (dest / "updated" / fresh.name).write_bytes(new)
+                state[f"{fresh.name} offered"] = digest(new)
+                print(f"kept your {target} (you changed it); notebooks/{fresh.name} has changed since: "
+                      f"the new student version is {dest / 'updated' / fresh.name}")
+    state_path.write_text(json.dumps(state, indent=1, sort_keys=True))
+    return written
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="labkit", description="GPU Memory Lab helpers")
     sub = parser.add_subparsers(dest="command", required=True)
     doc = sub.add_parser("doctor", help="the environment, its versions against the lock, which notebooks run here")
     doc.add_argument("--lock", type=pathlib.Path, default=LOCK, help="the lock to compare with (default: %(default)s)")
-    sub.add_parser("workbook", help="execute every notebook into build/executed and build/html")
-    sub.add_parser("student", help="notebooks without solutions, into build/student")
+    wb = sub.add_parser("workbook", help="execute every notebook into build/executed and build/html")
+    wb.add_argument("--cell-timeout", type=int, default=None, metavar="SECONDS",
+                    help="fail a notebook whose cell runs longer (default: 300 at tiny size, 900 at full)")
+    st = sub.add_parser("student", help="notebooks without solutions, into build/student")
+    st.add_argument("--in-step", action="store_true",
+                    help="only bring build/student in step with notebooks/, keeping notebooks the learner changed "
+                         "(what `make lab` runs)")
     sub.add_parser("instructor", help="the answer key as an nbgrader course folder, into build/course")
     ag = sub.add_parser("agenda", help="a one- or two-day workshop agenda from the notebooks' measured minutes")
     ag.add_argument("--days", type=int, default=1, choices=[1, 2])
@@ -256,7 +424,12 @@ def main(argv=None):
     if args.command == "doctor":
         return doctor(args.lock)
     if args.command == "workbook":
-        return workbook()
+        return workbook(cell_timeout=args.cell_timeout)
+    if args.command == "student" and args.in_step:
+        written = student_in_step()
+        print(f"build/student: {len(written)} notebook(s) brought in step with notebooks/" if written
+              else "build/student is in step with notebooks/")
+        return 0
     if args.command == "agenda":
         if args.write:
             args.write.write_text(fill_agendas(args.write.read_text(), args.size))

@@ -28,7 +28,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import atexit
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,7 +38,7 @@ import tempfile
 from .device import has
 
 __all__ = ["ENGINES", "MODELS", "EngineResult", "available", "build", "example_input", "export_onnx", "run",
-           "compare", "TENSORRT_INSTALL"]
+           "compare", "workdir", "TENSORRT_INSTALL"]
 
 ENGINES = ("eager", "inductor", "aoti", "onnxruntime", "tensorrt")
 MODELS = {                      # ResNetConfig's defaults are ResNet-50's layers; ImageNet has 1000 classes
@@ -66,6 +68,7 @@ class EngineResult:
     arena: bool | None = None
     device: str | None = None
     imported_torch: bool | None = None    # whether the engine's process imported PyTorch at all
+    values: object = dataclasses.field(default=None, repr=False)   # the output itself (NumPy, fp32)
 
     @property
     def ran(self):
@@ -137,19 +140,19 @@ def export_onnx(model, batch, image, path):
     return time.perf_counter() - start
 
 
-def run(engine, model="resnet-tiny", batch=1, image=64, repeat=5, arena=True, device="cpu", fp16=False,
-        workdir=None, timeout=900):
-    """Run `model` through `engine` in a fresh Python process; returns an EngineResult.
+def workdir(prefix="labkit-engines-"):
+    """A new folder of its own for engine runs (input, exported files, outputs), in the system's temporary
+    directory, removed when this Python process exits. Two sessions (a notebook and a test run in the same
+    checkout) never share one, so neither deletes the other's files."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
-    An engine that cannot run here (see `available`) returns at once with `skipped` saying why.
-    arena: ONNX Runtime's CPU memory arena on or off (other engines ignore it).
-    fp16: build the engine in half precision (TensorRT's `enabled_precisions`; GPU only).
-    workdir: where the input, exported files and outputs go (default: a new temporary directory); an ONNX
-    file already there for the same model and shape is reused, so arena on and off export once.
-    """
-    ok, why = available(engine, device)
-    if not ok:
-        return EngineResult(engine, model, skipped=why, arena=arena, device=device)
+
+def _check(engine, model, device, repeat, fp16):
+    """The arguments of one run, checked before any work."""
+    if not isinstance(engine, str) or engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if model not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
     if device not in ("cpu", "cuda"):
@@ -158,9 +161,38 @@ def run(engine, model="resnet-tiny", batch=1, image=64, repeat=5, arena=True, de
         raise ValueError(f"repeat must be a positive int, got {repeat!r}")
     if fp16 and engine == "onnxruntime":
         raise ValueError("fp16 is for the PyTorch engines and TensorRT; onnxruntime runs the fp32 export, got fp16=True")
-    import numpy as np
+
+
+def run(engine, model="resnet-tiny", batch=1, image=64, repeat=5, arena=True, device="cpu", fp16=False,
+        workdir=None, timeout=900):
+    """Run `model` through `engine` in a fresh Python process; returns an EngineResult.
+
+    An engine that cannot run here (see `available`) returns at once with `skipped` saying why.
+    arena: ONNX Runtime's CPU memory arena on or off (other engines ignore it).
+    fp16: build the engine in half precision (TensorRT's `enabled_precisions`; GPU only).
+    workdir: where the input, exported files and outputs go, kept there (`lk.engines.workdir()` gives a folder
+    of its own); an ONNX file already there for the same model and shape is reused, so arena on and off
+    export once. Default: a temporary folder removed before `run` returns; the output is then in
+    `result.values` and `output`/`artifact` are None (`artifact_bytes` says how large the file was).
+    """
+    _check(engine, model, device, repeat, fp16)
     pixels = example_input(batch, image)                  # checks batch and image
-    workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="labkit-engines-"))
+    ok, why = available(engine, device)
+    if not ok:
+        return EngineResult(engine, model, skipped=why, arena=arena, device=device)
+    if workdir is None:
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix="labkit-engines-"))
+        try:
+            result = _run(engine, model, batch, image, repeat, arena, device, fp16, tmp, timeout, pixels)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        result.output = result.artifact = None
+        return result
+    return _run(engine, model, batch, image, repeat, arena, device, fp16, pathlib.Path(workdir), timeout, pixels)
+
+
+def _run(engine, model, batch, image, repeat, arena, device, fp16, workdir, timeout, pixels):
+    import numpy as np
     workdir.mkdir(parents=True, exist_ok=True)
     shape = f"{model}-b{batch}-i{image}"
     np.save(workdir / f"input-{shape}.npy", pixels.numpy())      # the same images for every engine
@@ -184,6 +216,7 @@ def run(engine, model="resnet-tiny", batch=1, image=64, repeat=5, arena=True, de
         raise RuntimeError(f"engine {engine!r} on {model!r} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     result = EngineResult(**json.loads((workdir / f"{tag}.json").read_text()))
     result.build_s += export_s
+    result.values = np.load(result.output) if result.output else None
     return result
 
 
@@ -191,25 +224,54 @@ def compare(engines, rtol=1e-3, atol=1e-4, **kwargs):
     """`run` each engine (names, or (name, {options}) pairs); every output is checked against eager's.
 
     Returns {label: EngineResult}; eager runs first (added if missing); `kwargs` go to every `run`.
+    Every name and option is checked before the first engine runs. Without `workdir` the runs share a
+    temporary folder removed at the end (outputs in `.values`); pass `workdir=lk.engines.workdir()` to keep
+    the exported files for inspection.
     Each result's `max_abs_diff` is its largest difference from eager; beyond `rtol` plus `atol` times
     eager's largest output (random weights give logits of any scale) it raises AssertionError.
     fp32 engines reorder sums (fused kernels, other convolution algorithms), hence the tolerance;
     pass a looser one for fp16.
     """
+    import inspect
+
     import torch
-    wanted = [(e, {}) if isinstance(e, str) else (e[0], dict(e[1])) for e in engines]
+    if isinstance(engines, str) or not isinstance(engines, (list, tuple)):
+        raise TypeError(f"engines must be a list of engine names or (name, {{options}}) pairs, like "
+                        f"['eager', 'onnxruntime'], got {engines!r}")
+    wanted = []
+    for e in engines:
+        if isinstance(e, str):
+            wanted.append((e, {}))
+        elif isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[1], dict):
+            wanted.append((e[0], dict(e[1])))
+        else:
+            raise TypeError(f"each engine must be a name or a (name, {{options}}) pair, got {e!r}")
+    allowed = set(inspect.signature(run).parameters) - {"engine"}
+    for name, opts in wanted:                     # every engine checked before the first one runs
+        unknown = sorted((set(opts) | set(kwargs)) - allowed)
+        if unknown:
+            raise TypeError(f"run() has no option {unknown[0]!r} (options: {sorted(allowed)})")
+        o = {**kwargs, **opts}
+        _check(name, o.get("model", "resnet-tiny"), o.get("device", "cpu"), o.get("repeat", 5), o.get("fp16", False))
     if not any(name == "eager" and not opts for name, opts in wanted):
         wanted.insert(0, ("eager", {}))
+    own = kwargs.get("workdir") is None
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="labkit-engines-")) if own else None
     results = {}
-    for name, opts in wanted:
-        label = name + "".join(f" {k}={v}" for k, v in opts.items())
-        results[label] = run(name, **{**kwargs, **opts})
-    import numpy as np
-    reference = torch.from_numpy(np.load(results["eager"].output))
+    try:
+        for name, opts in wanted:
+            label = name + "".join(f" {k}={v}" for k, v in opts.items())
+            results[label] = run(name, **{**kwargs, **opts, **({"workdir": folder} if own else {})})
+    finally:
+        if own:
+            shutil.rmtree(folder, ignore_errors=True)
+            for r in results.values():
+                r.output = r.artifact = None
+    reference = torch.from_numpy(results["eager"].values)
     scale = float(reference.abs().max()) or 1.0
     for label, r in results.items():
         if r.ran:
-            got = torch.from_numpy(np.load(r.output))
+            got = torch.from_numpy(r.values)
             r.max_abs_diff = float((got - reference).abs().max())
             torch.testing.assert_close(got, reference, rtol=rtol, atol=atol * scale,
                                        msg=lambda m, label=label: f"{label} differs from eager: {m}")

@@ -3,10 +3,15 @@
 `estimate(config, ...)` answers for every transformers config. Families with a formula (est.method ==
 "formula"): llama, mistral, qwen2 (the Llama layer), gemma, phi, gpt2, bert, opt. Any other config
 (Mixtral, Qwen2-MoE, T5, ...) or option without a formula (autocast outside Llama, eager attention,
-dropout where the formula has none) is measured exactly: the model is built on FakeTensorMode (shapes,
-no data) and `track()` follows a real step (est.method == "fake"). `measured()` runs the same step on
-real tensors: the ground truth of tests/test_estimate_families.py and benchmarks/estimate_table.py, where
+dropout where the formula has none) is measured: the model is built on FakeTensorMode (shapes, no data)
+and `track()` follows a real step (est.method == "fake"). `measured()` runs the same step on real
+tensors: the ground truth of tests/test_estimate_families.py and benchmarks/estimate_table.py, where
 every family is within 0.5% of `track()` at tiny size on a CPU (fp32; training, generate, plain forward).
+The fake step is exact to the byte only where a test shows it: a grouped-KV decoder (Qwen3) training
+in fp32 at 64 and 2048 tokens (tests/test_edges_estimate.py; the first step within AdamW's 4-byte step
+counters). Elsewhere it is what the same step allocates on a CPU, not what CUDA kernels would.
+In training, K/V are activations (what attention saves for backward); "kv_cache" is the inference cache
+(track() files them the same way, also with `use_cache` left on in a training loop).
 The CUDA variants below (1-byte dropout masks, flash attention with dropout) are derived, not yet measured.
 
 Bytes per parameter (P = parameter count, biases and an untied output layer included):
@@ -109,6 +114,8 @@ class Estimate:
     first_step: int = 0
     steady: int = 0
     parallel: dict = field(default_factory=dict)
+    host: dict = field(default_factory=dict)      # bytes per category offloaded to CPU memory (offload=)
+    largest_layer: int = 0                        # parameters of the largest module (ZeRO-3 gathers it whole)
 
     def __repr__(self):
         rows = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.parts.items() if v)
@@ -131,26 +138,57 @@ def load_config(config):
     """A transformers config from a config object, a labkit preset or family name (lk.models.PRESETS,
     lk.models.FAMILY_CONFIGS; full size), or a path to a config.json (or a folder holding one)."""
     if isinstance(config, (str, pathlib.Path)):
-        path = pathlib.Path(config)
-        if path.suffix == ".json" or path.is_dir() or path.exists():
-            if path.is_dir():
-                path = path / "config.json"
-            if not path.exists():
-                raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-            from transformers import AutoConfig
-            data = json.loads(path.read_text())
-            if "model_type" not in data:
-                raise ValueError(f"config file {str(path)!r} has no 'model_type'")
-            return AutoConfig.for_model(**data)
-        from .models import FAMILY_CONFIGS, family_config
+        from .models import FAMILY_CONFIGS, PRESETS, family_config
         from .models import config as preset
-        if str(config) in FAMILY_CONFIGS:
-            return family_config(str(config), "full")
-        return preset(str(config), "full")
+        name, path = str(config), pathlib.Path(config)
+        if name in PRESETS and not path.exists():
+            return preset(name, "full")
+        if name in FAMILY_CONFIGS and not path.exists():
+            return family_config(name, "full")
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            looks_like_path = isinstance(config, pathlib.Path) or path.suffix == ".json" or "/" in name or "\\" in name
+            known = f"Presets: {', '.join(sorted(PRESETS))}. Families: {', '.join(sorted(FAMILY_CONFIGS))}."
+            if looks_like_path:
+                raise FileNotFoundError(f"config file {str(path)!r} does not exist. {known}")
+            raise ValueError(f"config {name!r} is neither a preset, a family nor an existing path. {known}")
+        return _read_config_json(path)
     if not hasattr(config, "model_type"):
         raise TypeError(f"config must be a transformers config, a preset name or a config.json path, "
                         f"got {type(config).__name__}")
     return config
+
+
+_SIZES = ("hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head", "num_heads", "num_hidden_layers",
+          "n_layer", "num_layers", "intermediate_size", "n_inner", "ffn_dim", "d_ff", "head_dim", "d_kv",
+          "num_key_value_heads", "vocab_size")
+
+
+def _check_sizes(get, model_type, where=""):
+    """Every size a config gives must be a positive int: a negative width would give negative parameters."""
+    for name in _SIZES:
+        value = get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{where}config {name} must be a positive int, got {value!r} (model_type {model_type!r})")
+
+
+def _read_config_json(path):
+    """A transformers config from a config.json, with errors that name the file."""
+    from transformers import AutoConfig
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"config file {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a JSON object, got {type(data).__name__}")
+    if "model_type" not in data:
+        raise ValueError(f"config file {str(path)!r} has no 'model_type'")
+    _check_sizes(data.get, data["model_type"], f"config file {str(path)!r}: ")
+    try:
+        return AutoConfig.for_model(**data)
+    except (ValueError, KeyError, TypeError, ArithmeticError) as e:
+        raise ValueError(f"config file {str(path)!r}: transformers refuses it: {e}") from None
 
 
 def _get(config, *names, default=None):
@@ -172,6 +210,11 @@ def _shape(config):
     if family in ("llama", "gemma", "phi") and any(
             (_get(config, n, default=0) or 0) > 0 for n in ("attention_dropout", "resid_pdrop", "embd_pdrop")):
         family = None                        # dropout in a family whose formula has none: measured instead
+    if getattr(config, "vocab_size", None) is None:
+        raise ValueError(f"config of model_type {mt!r} has no vocab_size: lk.estimate covers language models "
+                         "(causal LM, masked LM, encoder-decoder), not vision or multi-modal configs "
+                         "(for CLIP-like configs pass config.text_config)")
+    _check_sizes(lambda name: getattr(config, name, None), mt)
     h, a = _get(config, "hidden_size", "n_embd", "d_model"), _get(config, "num_attention_heads", "n_head", "num_heads")
     L = _get(config, "num_hidden_layers", "n_layer", "num_layers")
     i = _get(config, "intermediate_size", "n_inner", "ffn_dim", "d_ff", default=4 * h if h else None)
@@ -447,7 +490,7 @@ def activation_bytes_per_token(config, seq, dtype="bf16", recompute=False, devic
 # ---- the estimate -----------------------------------------------------------------------------
 def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training=True, recompute=False,
              kv_tokens=None, foreach=False, logits_to_keep=None, grad_accum=False, device=None,
-             method="auto", max_positions=None, dp=1, zero=0, tp=1, pp=1):
+             method="auto", max_positions=None, dp=1, zero=0, tp=1, pp=1, offload=None):
     """Predicted memory of a training step (training=True) or of inference with a KV cache.
 
     config: a transformers config, a labkit preset name (its full size) or a path to a config.json.
@@ -464,7 +507,7 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
     grad_accum: an fp32 gradient-accumulation buffer (4 bytes/param; with "mixed": 20 bytes/param).
     device: "cpu" or "cuda" (default: this machine): dropout masks are e bytes on a CPU, 1 byte on CUDA.
     method: "auto" (a formula where one exists, else "fake"), "formula" or "fake" (measure a real step on
-    FakeTensorMode tensors: exact, takes seconds).
+    FakeTensorMode tensors: takes seconds; exact where tests/test_edges_estimate.py shows it).
     max_positions: allow seq + generated tokens beyond config.max_position_embeddings up to this number.
     dp, zero, tp, pp: the memory of one rank when training on dp x tp x pp devices (batch is then the
     micro-batch of one data-parallel rank). zero: the ZeRO stage over the dp ranks (Rajbhandari et al.
@@ -472,28 +515,49 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
     (pp) parallelism split the weights, gradients and optimizer state tp x pp ways (as if evenly: the
     embeddings and the LM head really sit on the first and last stages). Activations: divided by tp
     (Korthikanti et al. 2022 with sequence parallelism: every term / t); with 1F1B the first stage keeps
-    p micro-batches of L/p layers, as many as the L layers of one: pp leaves them as they are. The
-    buffers of one layer's gathered weights (ZeRO-3) or unreduced gradients (ZeRO-2, 3) are left out,
-    as in the paper's count.
+    p micro-batches of L/p layers, as many as the L layers of one: pp leaves them as they are.
+    ZeRO-3 also holds the largest module gathered whole while it runs: its 16-bit weights and its
+    unreduced gradients (2 x w x largest layer, DeepSpeed's "4 x largest_layer_params"), and its gradient
+    partition is the fp32 one alone when grad_accum=True (reduce-scatter writes into it), as in DeepSpeed's
+    estimate_zero3_model_states_mem_needs; ZeRO-2's unreduced bucket is left out, as in the paper's count.
+    offload: None, "optimizer" (ZeRO-Offload: the optimizer state, fp32 master weights and, with zero >= 2,
+    the gradient partitions live in CPU memory) or "parameters" (ZeRO-Infinity on CPU, FSDP's
+    CPUOffloadPolicy: the weight partitions too; needs zero=3). What moved is in est.host, per category.
+    grad_accum and dtype="mixed" on the fake path: the step is measured (in bf16 for "mixed") and the fp32
+    buffer (4 bytes/param, alive across steps) and fp32 master weights + Adam state (12 bytes/param in
+    place of the measured bf16 state) are added by formula, as a note says.
     """
     batch, seq = _count("batch", batch, 1), _count("seq", seq, 1)
     kv_tokens = seq if kv_tokens is None else _count("kv_tokens", kv_tokens, 0)
+    training, foreach, grad_accum = (_flag(n, v) for n, v in (("training", training), ("foreach", foreach),
+                                                              ("grad_accum", grad_accum)))
     if not (isinstance(recompute, bool) or recompute == "selective" or isinstance(recompute, int) and recompute >= 1):
         raise ValueError(f"recompute must be True, False, 'selective' or a segment length >= 1, got {recompute!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if logits_to_keep is not None:
         logits_to_keep = _count("logits_to_keep", logits_to_keep, 0)
+    if training and logits_to_keep is not None:
+        raise ValueError(f"logits_to_keep is for inference (training=False): a training step keeps every "
+                         f"position's logits for the loss, got logits_to_keep={logits_to_keep!r} with training=True")
     if method not in ("auto", "formula", "fake"):
         raise ValueError(f"method must be 'auto', 'formula' or 'fake', got {method!r}")
     _bytes(dtype)
     parallel = _parallel(dp, zero, tp, pp)
+    if offload not in (None, "optimizer", "parameters"):
+        raise ValueError(f"offload must be None, 'optimizer' or 'parameters', got {offload!r}")
+    if offload and not training:
+        raise ValueError(f"offload moves training state to the CPU; for inference use offload=None, got {offload!r}")
+    if offload == "parameters" and zero != 3:
+        raise ValueError(f"offload='parameters' offloads the weight partitions of ZeRO-3 (FSDP); use zero=3, got zero={zero!r}")
+    parallel["offload"] = offload
     if zero and not training:
         raise ValueError(f"zero shards training state; for inference (training=False) use zero=0, got zero={zero!r}")
     if not training and dtype.startswith("amp"):
         raise ValueError(f"dtype {dtype!r} is for training; for inference use 'bf16' or 'fp16'")
     config = load_config(config)
     s = _shape(config)
+    _check_layout(s, parallel)
     longest = max(seq, kv_tokens)
     limit = s["P"] if max_positions is None else max_positions
     if limit is not None and longest > limit and not s["enc_dec"]:
@@ -511,7 +575,9 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
         est = _train(s, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, device, parallel)
     else:
         est = _infer(s, batch, seq, dtype, kv_tokens, 1 if logits_to_keep is None else logits_to_keep)
-    return _per_rank(est, parallel) if est.method == "fake" or not training else est
+    if est.method == "fake" or not training:
+        est = _per_rank(est, parallel, _bytes(dtype), grad_accum)
+    return est
 
 
 def _parallel(dp, zero, tp, pp):
@@ -523,12 +589,42 @@ def _parallel(dp, zero, tp, pp):
     return out
 
 
+def _flag(name, value):
+    """A bool (numpy's too), else a ValueError: the string "False" is truthy and would mean True."""
+    if type(value).__name__ not in ("bool", "bool_"):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def _check_layout(s, parallel):
+    """Refuse a tp x pp layout that cannot exist for this model; note the KV heads each tp rank holds.
+
+    Every tp rank holds whole attention heads, so tp must divide num_attention_heads. With tp at most
+    the KV heads, tp must divide them too (each rank holds kv/tp); with tp above them, each rank holds
+    one KV head, replicated tp/kv times, so kv must divide tp (Megatron-LM's and vLLM's rule:
+    vllm/model_executor/layers/linear.py QKVParallelLinear). pp stages hold whole layers: pp <= layers.
+    """
+    tp, pp, a, kv, L = parallel["tp"], parallel["pp"], s["a"], s["kv"], s["L"]
+    if tp > 1 and a and a % tp:
+        raise ValueError(f"tp={tp} must divide num_attention_heads {a} (each rank holds whole heads)")
+    if tp > 1 and kv and (kv % tp if tp <= kv else tp % kv):
+        raise ValueError(f"tp={tp} and num_key_value_heads {kv}: one must divide the other (each rank holds "
+                         f"{'kv/tp' if tp <= kv else 'one'} KV head{'s' if tp <= kv else ', replicated'})")
+    if pp > 1 and L and pp > L:
+        raise ValueError(f"pp={pp} is more pipeline stages than num_hidden_layers {L} (a stage holds whole layers)")
+    if kv:
+        parallel["kv_heads"], parallel["kv_heads_per_rank"] = kv, max(1, kv // tp)
+
+
 def _divisors(parallel):
-    """What each category is divided by on one rank."""
+    """What each category is divided by on one rank (a KV cache replicated when tp > kv heads)."""
+    from fractions import Fraction
     mp, dp, z = parallel["tp"] * parallel["pp"], parallel["dp"], parallel["zero"]
+    kv, per_rank = parallel.get("kv_heads"), parallel.get("kv_heads_per_rank")
+    cache = Fraction(kv * parallel["pp"], per_rank) if kv and per_rank else mp
     return {"parameters": mp * (dp if z >= 3 else 1), "gradients": mp * (dp if z >= 2 else 1),
             "optimizer": mp * (dp if z >= 1 else 1), "activations": parallel["tp"],
-            "kv_cache": mp, "other": parallel["tp"]}
+            "kv_cache": cache, "other": parallel["tp"]}
 
 
 def _shard(moment, parallel, phase=""):
@@ -540,22 +636,55 @@ def _shard(moment, parallel, phase=""):
     return {c: -(-v // div[c]) for c, v in moment.items()}
 
 
-def _per_rank(est, parallel):
-    """An estimate made for one device, divided as `_shard` says (the measured and inference paths)."""
-    if all(parallel[k] == 1 for k in ("dp", "tp", "pp")) and not parallel["zero"]:
+def _per_rank(est, parallel, w=2, grad_accum=False):
+    """An estimate made for one device, divided as `_shard` says (the measured and inference paths), with
+    ZeRO-3's gathered layer and what `offload` moves to the host."""
+    if all(parallel[k] == 1 for k in ("dp", "tp", "pp")) and not parallel["zero"] and not parallel.get("offload"):
         return est
-    scale = sum(_shard(est.peak_parts, parallel, est.phase).values()) / max(sum(est.peak_parts.values()), 1)
-    est.parts, est.peak_parts = _shard(est.parts, parallel, est.phase), _shard(est.peak_parts, parallel, est.phase)
+    before = max(sum(est.peak_parts.values()), 1)
+    if parallel["zero"] >= 3 and grad_accum:     # the fp32 partition alone: no w-byte gradient partition
+        est.parts["gradients"] -= min(est.parts["gradients"], w * est.params)
+        if est.phase == "optimizer step":        # the only moment that holds every w-byte gradient
+            est.peak_parts["gradients"] -= min(est.peak_parts["gradients"], w * est.params)
+    est.parts = _shard(est.parts, parallel)
+    est.peak_parts = _shard(est.peak_parts, parallel, est.phase)
+    gathered = _gathered(est.largest_layer, w, parallel)
+    est.parts, est.host = _offload(est.parts, parallel, gathered, gathered)
+    in_step = est.phase == "optimizer step"
+    est.peak_parts, _ = _offload(est.peak_parts, parallel, 0 if in_step else gathered, 0 if in_step else gathered,
+                                 est.phase)
     est.total = sum(est.peak_parts.values())
+    scale = est.total / before
     est.first_step, est.steady = int(est.first_step * scale), int(est.steady * scale)
-    est.parallel = parallel
+    est.parallel = dict(parallel)
     est.notes.append(_parallel_note(parallel))
     return est
 
 
+def _gathered(largest, w, parallel):
+    """ZeRO-3: the largest module's weights gathered whole on every rank while it runs (its tp share)."""
+    return -(-w * largest // parallel["tp"]) if parallel["zero"] >= 3 else 0
+
+
+def _offload(moment, parallel, weights_gathered, grads_gathered, phase=""):
+    """(what one rank's device holds, what its CPU holds) for one moment: ZeRO-3's gathered layer added,
+    then `offload`'s categories moved to the host (the gathered buffers stay on the device)."""
+    out, host, where = dict(moment), {}, parallel.get("offload")
+    moved = {"optimizer": ("optimizer",) + (("gradients",) if parallel["zero"] >= 2 else ()),
+             "parameters": ("optimizer", "gradients", "parameters")}.get(where, ())
+    for c in moved:
+        host[c], out[c] = out[c], 0
+    if where and phase == "optimizer step":      # the step runs on the CPU: its temporaries are there
+        host["other"], out["other"] = out.get("other", 0), 0
+    out["parameters"] += weights_gathered
+    out["gradients"] += grads_gathered
+    return out, host
+
+
 def _parallel_note(parallel):
+    where = parallel.get("offload")
     return (f"per rank of dp={parallel['dp']} x tp={parallel['tp']} x pp={parallel['pp']}, "
-            f"ZeRO stage {parallel['zero']}")
+            f"ZeRO stage {parallel['zero']}" + (f", {where} offloaded to CPU memory (est.host)" if where else ""))
 
 
 def model_states(params, dp=1, zero=0, dtype="mixed", optimizer="adamw", tp=1, pp=1, grad_accum=False):
@@ -570,15 +699,18 @@ def model_states(params, dp=1, zero=0, dtype="mixed", optimizer="adamw", tp=1, p
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     _bytes(dtype)
-    w, g, o = _states(P, dtype, optimizer, grad_accum)
-    return _shard({"parameters": w, "gradients": g, "optimizer": o}, _parallel(dp, zero, tp, pp))
+    parallel = _parallel(dp, zero, tp, pp)
+    w, g, o = _states(P, dtype, optimizer, grad_accum, zero)
+    return _shard({"parameters": w, "gradients": g, "optimizer": o}, parallel)
 
 
 CATS = ("parameters", "gradients", "optimizer", "activations", "kv_cache", "other")
 
 
-def _states(P, dtype, optimizer, grad_accum):
+def _states(P, dtype, optimizer, grad_accum, zero=0):
     w = _bytes(dtype)
+    if zero >= 3 and grad_accum:      # reduce-scatter writes into the fp32 partition: no w-byte one beside it
+        return P * w, 4 * P, _states(P, dtype, optimizer, False)[2]
     state = {"sgd": 0, "sgd-momentum": w, "adam": 2 * w, "adamw": 2 * w, "adamw-8bit": 2 + 8 / 256, None: 0}
     opt = int(P * state[optimizer])
     if dtype == "mixed":       # fp32 master weights (4) + the optimizer's state kept in fp32
@@ -591,7 +723,8 @@ def _train(s, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, devi
     P, w, e = param_count(s["config"]), _bytes(dtype), _bytes(dtype, activations=True)
     amp, tokens, L = dtype.startswith("amp"), batch * seq, s["L"]
     parts = dict.fromkeys(CATS, 0)
-    parts["parameters"], parts["gradients"], parts["optimizer"] = _states(P, dtype, optimizer, grad_accum)
+    zero = (parallel or {}).get("zero", 0)
+    parts["parameters"], parts["gradients"], parts["optimizer"] = _states(P, dtype, optimizer, grad_accum, zero)
     accum = 4 * P * bool(grad_accum)          # the buffer lives across steps
     layer, scores = _layer_terms(s, seq, dtype, device=device)
     head, logits = _head_terms(s, dtype, device=device)
@@ -619,10 +752,13 @@ def _train(s, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, devi
                   activations=int(tokens * (held + recomputed) + cache)),
              dict(parts, gradients=parts["gradients"] - w * (k * layer_params + s["V"] * s["h"]), other=0,
                   activations=int(tokens * (inp + recomputed) + cache))], key=lambda p: sum(p.values()))
-    notes = []
-    if parallel is not None and (parallel["zero"] or any(parallel[k] > 1 for k in ("dp", "tp", "pp"))):
-        moments = {n: _shard(p, parallel, n) for n, p in moments.items()}
-        parts = _shard(parts, parallel)
+    notes, host, largest = [], {}, _largest_layer(s)
+    if parallel is not None and (parallel["zero"] or parallel.get("offload")
+                                 or any(parallel[k] > 1 for k in ("dp", "tp", "pp"))):
+        gathered = _gathered(largest, w, parallel)
+        moments = {n: _offload(_shard(p, parallel, n), parallel, 0 if n == "optimizer step" else gathered,
+                               0 if n == "optimizer step" else gathered, n)[0] for n, p in moments.items()}
+        parts, host = _offload(_shard(parts, parallel), parallel, gathered, gathered)
         notes.append(_parallel_note(parallel))
     first = {n: dict(p, optimizer=0) if n != "optimizer step" else p for n, p in moments.items()}
     phase, peak = max(moments.items(), key=lambda kv: sum(kv[1].values()))
@@ -631,7 +767,27 @@ def _train(s, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, devi
         notes.append("first step: the optimizer state is born in step(), as later steps hold it")
     return Estimate(parts=parts, total=sum(peak.values()), peak_parts=peak, params=P, notes=notes,
                     method="formula", phase=phase, first_step=max(sum(p.values()) for p in first.values()),
-                    steady=sum(peak.values()), parallel=dict(parallel or {}))
+                    steady=sum(peak.values()), parallel=dict(parallel or {}), host=host, largest_layer=largest)
+
+
+def _largest_layer(s):
+    """Parameters of the largest single module (its own, not its children's), as DeepSpeed's model_to_params
+    counts them: usually the embedding or the LM head (vocab x hidden), else an MLP projection."""
+    h, i, V, a, d, fam = s["h"], s["i"], s["V"], s["a"], s["d"], s["family"]
+    if fam is None:
+        model = _build(s["config"], "meta")
+        return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    q, kv = a * d, s["kv"] * d
+    if fam in ("llama", "gemma"):
+        return max(V * h, h * i + i * s["mlp_bias"], h * q + q * s["qkv_bias"], q * h + h * s["o_bias"],
+                   h * kv + kv * s["qkv_bias"])
+    if fam == "phi":
+        return max(V * h + V * (not s["tied"]), h * i + i, h * q + q)
+    if fam == "gpt2":
+        return max(V * h, s["P"] * h, 3 * h * h + 3 * h, h * i + i)
+    if fam == "opt":
+        return max(V * s["wpe"], (s["P"] + 2) * h, h * i + i)
+    return max(V * h + V, s["P"] * h, h * i + i)             # BERT: the MLM decoder holds its bias
 
 
 def _infer(s, batch, seq, dtype, kv_tokens, logits_to_keep):
@@ -690,40 +846,79 @@ def _measure(config, batch, seq, dtype, optimizer, training, recompute, kv_token
     """The estimate by measurement: a real step of the model on FakeTensorMode tensors, followed by track()."""
     import torch
     from .memory import track
-    if dtype == "mixed" or optimizer == "adamw-8bit" or grad_accum:
-        raise ValueError(f"no fake-tensor measurement for dtype {dtype!r}, optimizer {optimizer!r}, "
-                         f"grad_accum={grad_accum!r} (model_type {config.model_type!r} has no formula)")
+    if optimizer == "adamw-8bit":
+        raise ValueError(f"no fake-tensor measurement for optimizer {optimizer!r} (model_type "
+                         f"{config.model_type!r} has no formula); use 'adamw' or a family with a formula")
+    if dtype == "mixed" and optimizer not in ("adam", "adamw", None, "sgd", "sgd-momentum"):
+        raise ValueError(f"no fake-tensor measurement for dtype 'mixed' with optimizer {optimizer!r}")
     if recompute not in (False, True):
         raise ValueError(f"recompute={recompute!r} has no fake-tensor measurement; use True or False "
                          f"(model_type {config.model_type!r} has no formula)")
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "mixed": torch.bfloat16}.get(dtype, torch.float32)
     model = _build(config, "fake", torch_dtype)
     with _fake_friendly_moe():
-        first, mem = _measure_model(model, config, batch, seq, dtype, optimizer, training, recompute, kv_tokens,
-                                    foreach, logits_to_keep)
-    return _from_trackers(model, config, first, mem)
+        first, mem = _measure_model(model, config, batch, seq, "bf16" if dtype == "mixed" else dtype, optimizer,
+                                    training, recompute, kv_tokens, foreach, logits_to_keep)
+    est = _from_trackers(model, config, first, mem)
+    est.largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    if training:
+        _add_states_by_formula(est, dtype, optimizer, grad_accum)
+    return est
 
 
-def _fake_friendly_moe():
-    """transformers' MoE experts call torch's grouped_mm, whose fake kernel accepts bf16 only; its own
-    fallback op (same output, same saved tensors) has a fake kernel for every dtype: use it while measuring."""
-    import contextlib
+def _add_states_by_formula(est, dtype, optimizer, grad_accum):
+    """What the fake step cannot run, added to a measured training step by formula: dtype="mixed" (measured
+    in bf16; its optimizer state becomes fp32 master weights + fp32 state, `_states`) and grad_accum's fp32
+    buffer (4 bytes/param, alive through every moment of every step)."""
+    P = est.params
+    extra_opt = _states(P, dtype, optimizer, False)[2] - _states(P, "bf16", optimizer, False)[2] if dtype == "mixed" else 0
+    extra_grad = 4 * P if grad_accum else 0
+    if not (extra_opt or extra_grad):
+        return
+    est.parts["optimizer"] += extra_opt
+    est.parts["gradients"] += extra_grad
+    est.peak_parts["gradients"] += extra_grad
+    est.peak_parts["optimizer"] += extra_opt     # the steady peak holds the state
+    est.steady += extra_opt + extra_grad
+    est.first_step += extra_grad + (extra_opt if est.phase == "optimizer step" else 0)
+    est.total = max(est.first_step, est.steady)
+    est.notes.append("added by formula to the measured step: " + ", ".join(
+        x for x in (f"fp32 master weights and state for 'mixed' (+{fmt_bytes(extra_opt)})" if extra_opt else "",
+                    f"grad_accum's fp32 buffer (+{fmt_bytes(extra_grad)})" if extra_grad else "") if x))
+
+
+@contextlib.contextmanager
+def _patched(module_name, attr, replacement):
+    """module.attr replaced while the block runs (nothing done if the module or the name does not exist)."""
+    import importlib
     try:
-        from transformers.integrations import moe
+        module = importlib.import_module(module_name)
     except ImportError:
-        return contextlib.nullcontext()
-    if not hasattr(moe, "_can_use_grouped_mm"):
-        return contextlib.nullcontext()
+        module = None
+    if module is None or not hasattr(module, attr):
+        yield
+        return
+    old = getattr(module, attr)
+    setattr(module, attr, replacement)
+    try:
+        yield
+    finally:
+        setattr(module, attr, old)
 
-    @contextlib.contextmanager
-    def patched():
-        old = moe._can_use_grouped_mm
-        moe._can_use_grouped_mm = lambda *a, **k: False
-        try:
-            yield
-        finally:
-            moe._can_use_grouped_mm = old
-    return patched()
+
+@contextlib.contextmanager
+def _fake_friendly_moe():
+    """What a fake step must not inherit from transformers' checks for tracing (is_tracing() is True on a
+    FakeTensor), each patched only while measuring:
+    - MoE experts call torch's grouped_mm, whose fake kernel accepts bf16 only; transformers' own fallback
+      op (same output, same saved tensors) has a fake kernel for every dtype: use it.
+    - masking_utils.find_packed_sequence_indices cannot read the position ids of a fake tensor, so it
+      assumes packed sequences: every layer then gets a (b, 1, s, s) mask and SDPA K/V expanded to all
+      heads, which a real step with one sequence per row never has. Our step packs nothing: say so (None).
+    """
+    with _patched("transformers.integrations.moe", "_can_use_grouped_mm", lambda *a, **k: False), \
+            _patched("transformers.masking_utils", "find_packed_sequence_indices", lambda position_ids: None):
+        yield
 
 
 @contextlib.contextmanager

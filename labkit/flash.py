@@ -1,309 +1,283 @@
-"""FlashAttention in Triton, forward and backward, plus the two decoding kernels, small and readable.
+"""FlashAttention forward and backward, flash-decoding and paged attention: each in plain PyTorch and in Triton.
 
 After Triton's tutorial 06-fused-attention and Dao 2023 (FlashAttention-2, Algorithms 1 and 2):
 
-- forward (`_flash_fwd`): one program per BLOCK_M query rows of one (batch, head); it streams K and V in
-  BLOCK_N-row tiles with a running max `m`, sum `l` and an fp32 accumulator, never forming the N x N
-  scores, and saves O and each row's log-sum-exp `lse = m + log(l)` (4 bytes a row) for backward;
+- forward: K and V stream through in BLOCK_N-row tiles with a running max `m`, sum `l` and an fp32
+  accumulator (the online softmax, `online_softmax_step`), never forming the N x N scores; it returns
+  O and each row's log-sum-exp `lse = m + log(l)` (4 bytes a row), all that backward needs;
 - backward: P is recomputed tile by tile from the saved `lse` (`P = exp(S - lse)`), with
-  `D = rowsum(dO * O)` (so `dS = P * (dP - D)`); `_flash_bwd_dkdv` owns a tile of keys and loops over
-  queries, `_flash_bwd_dq` owns a tile of queries and loops over keys. `flash_attention` wraps both in a
+  `D = rowsum(dO * O)` (so `dS = P * (dP - D)`). `flash_attention` wraps both in a
   `torch.autograd.Function`, so autograd holds only O and the log-sum-exp between the two passes;
 - grouped-query / multi-query attention: K and V may have fewer heads than Q (`Hq % Hkv == 0`), query
   head `h` reads key/value head `h // (Hq // Hkv)`, as in Llama-3;
 - Nq != Nk with the causal mask aligned bottom-right (query i sees keys j <= i + Nk - Nq), the
   convention of flash-attn >= 2.1 for decoding and chunked prefill (SDPA's `is_causal` aligns top-left);
-- decoding: `flash_decode` splits one query's keys over programs and combines the partial results through
-  their log-sum-exps (flash-decoding, Dao et al. 2023 blog); `paged_attention` reads K/V through a block
-  table (vLLM's PagedAttention, Kwon et al. 2023), the tables of notebook 07.
+- decoding: `flash_decode` splits one query's keys into whole key blocks and combines the partial
+  results through their log-sum-exps (`combine_splits`; flash-decoding, Dao et al. 2023 blog);
+  `paged_attention` reads K/V through a block table (vLLM's PagedAttention, Kwon et al. 2023), the
+  tables of notebook 07 (`labkit.paged`).
 
-Every kernel accumulates in fp32 whatever its inputs are.
-
-Without a GPU, Triton runs kernels on CPU tensors through its interpreter, which it chooses when a
-kernel is defined and its language is first imported; this module sets TRITON_INTERPRET=1 before
-importing triton when no CUDA device is present, and says so if triton came first (torch's compiler
-stack imports it too: set the variable at the top of a notebook, as notebook 08 does). The interpreter
-computes `tl.dot` wrongly on bf16 inputs, so there the tiles are upcast to fp32 first (UPCAST), and it
-truncates fp32 to bf16 instead of rounding to nearest, so there the kernels write fp32 and torch rounds
-(`_result`). Import this module only where Triton is wanted (`lk.has("triton")`).
+Two backends, one switch (the slow path beside the fast one, as nanoGPT keeps it): each public function
+takes `backend="auto" | "torch" | "triton"`; "auto" is "triton" where `lk.has("triton")`, else "torch".
+The PyTorch twins are the `*_torch` functions below, the same algorithms written with torch ops (tiles
+of keys in a Python loop; all query rows form one tile, where a kernel gives each tile of rows its own
+program). The Triton kernels live in `labkit.flash_triton` (the `*_triton` functions), imported only
+when asked for, so this module, its twins and notebook 08 run wherever PyTorch does. Both accumulate
+in fp32 whatever their inputs are, and accept exactly the same arguments: every argument is checked
+here, before any work.
 """
 from __future__ import annotations
 
 import math
-import os
-import sys
+import numbers
 
 import torch
 
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ImportError("triton was imported before labkit.flash could choose its CPU interpreter: "
-                          "import labkit.flash first, or start Python with TRITON_INTERPRET=1")
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .device import has
 
-import triton                      # noqa: E402  (after choosing the interpreter)
-import triton.language as tl       # noqa: E402
+__all__ = ["flash_attention", "flash_decode", "paged_attention", "combine_splits", "online_softmax_step",
+           "forward_torch", "backward_torch", "decode_torch", "paged_torch", "kernel_source", "BACKENDS"]
 
-__all__ = ["flash_attention", "flash_decode", "combine_splits", "paged_attention", "INTERPRETED"]
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+BACKENDS = ("auto", "torch", "triton")
 HEAD_DIMS = (16, 32, 64, 128)      # powers of two that tl.arange and tl.dot accept
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-# ---------------------------------------------------------------- forward
-@triton.jit
-def _flash_fwd(Q, K, V, O, LSE, scale, Nq, Nk, Hq, GROUP,
-               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
-    start_m = tl.program_id(0)                       # which tile of query rows
-    bh = tl.program_id(1)                            # which (batch, query head)
-    kv_bh = (bh // Hq) * (Hq // GROUP) + (bh % Hq) // GROUP     # its (batch, key/value head)
-    q_base, kv_base = bh * Nq * D, kv_bh * Nk * D    # contiguous (B, H, N, D) tensors
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    q = tl.load(Q + q_base + offs_m[:, None] * D + offs_d[None, :], mask=offs_m[:, None] < Nq, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)        # running max of each row's scores
-    l_i = tl.zeros([BLOCK_M], tl.float32)                      # running sum of exp(score - m_i)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)                   # running sum of exp(score - m_i) @ V
-    shift = Nk - Nq                                            # bottom-right causal: row i sees j <= i + shift
-    hi = tl.minimum((start_m + 1) * BLOCK_M + shift, Nk) if CAUSAL else Nk
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        kv_mask = cols[:, None] < Nk
-        k = tl.load(K + kv_base + cols[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_base + cols[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale                     # (BLOCK_M, BLOCK_N) scores of this tile
-        valid = cols[None, :] < Nk
-        if CAUSAL:
-            valid = valid & (offs_m[:, None] + shift >= cols[None, :])
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)                            # rescale what was summed so far
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
-    rows = offs_m < Nq
-    tl.store(O + q_base + offs_m[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
-             mask=rows[:, None])
-    tl.store(LSE + bh * Nq + offs_m, m_i + tl.log(l_i), mask=rows)   # all backward needs of P
+# ---------------------------------------------------------------- the online softmax, written once
+def online_softmax_step(m, l, acc, s, v):
+    """Fold one tile of scores s (..., M, n) of keys with values v (..., n, d) into the running max
+    m (..., M), sum l (..., M) and output acc (..., M, d) (Milakov & Gimelshein 2018); returns them new.
+
+    Every row must see a key in its first tile (otherwise exp(-inf - -inf) is NaN): true for all
+    callers here, which start at key 0, visible to every row."""
+    m_new = torch.maximum(m, s.amax(-1))
+    p = torch.exp(s - m_new[..., None])             # (..., M, n): the tile's probabilities, not yet normalised
+    alpha = torch.exp(m - m_new)                    # rescales what was summed against the old max
+    return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + p @ v
 
 
-# ---------------------------------------------------------------- backward
-@triton.jit
-def _p_and_ds(q, k, v, do, lse, delta, rows, cols, Nq, Nk, scale, CAUSAL: tl.constexpr):
-    """One (queries x keys) tile of the backward, shared by both kernels: P recomputed from the saved
-    log-sum-exp (never stored), and dS = P * (dP - D) with dP = dO V^T and D = rowsum(dO * O)."""
-    s = tl.dot(q, tl.trans(k)) * scale                         # (BLOCK_M, BLOCK_N), as in forward
-    valid = (rows[:, None] < Nq) & (cols[None, :] < Nk)
-    if CAUSAL:                                                 # bottom-right aligned, as in forward
-        valid = valid & (rows[:, None] + Nk - Nq >= cols[None, :])
-    p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
-    dp = tl.dot(do, tl.trans(v)).to(tl.float32)
-    return p, p * (dp - delta[:, None])
+def _grouped(x, kv_heads):
+    """(B, Hq, N, d) -> (B, Hkv, Hq // Hkv, N, d): the query heads that read each key/value head."""
+    B, Hq, N, D = x.shape
+    return x.reshape(B, kv_heads, Hq // kv_heads, N, D)
 
 
-@triton.jit
-def _flash_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, scale, Nq, Nk, Hq, GROUP,
-                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
-    """dV = P^T dO and dK = scale * dS^T Q for one tile of keys, summed over every query (and, with GQA,
-    over the GROUP query heads that share this key/value head)."""
-    start_n = tl.program_id(0)
-    kv_bh = tl.program_id(1)                                   # which (batch, key/value head)
-    Hkv = Hq // GROUP
-    kv_base = kv_bh * Nk * D
-    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    kv_mask = offs_n[:, None] < Nk
-    k = tl.load(K + kv_base + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_base + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-    if UPCAST:
-        k, v = k.to(tl.float32), v.to(tl.float32)
-    dk = tl.zeros([BLOCK_N, D], tl.float32)
-    dv = tl.zeros([BLOCK_N, D], tl.float32)
-    shift = Nk - Nq
-    lo = 0
-    if CAUSAL:                                                 # earlier queries never see these keys
-        lo = tl.maximum(start_n * BLOCK_N - shift, 0) // BLOCK_M * BLOCK_M
-    for g in range(0, GROUP):
-        bh = (kv_bh // Hkv) * Hq + (kv_bh % Hkv) * GROUP + g   # a query head reading this K/V head
-        q_base = bh * Nq * D
-        for start_m in range(lo, Nq, BLOCK_M):
-            rows = start_m + offs_m
-            row_mask = rows[:, None] < Nq
-            q = tl.load(Q + q_base + rows[:, None] * D + offs_d[None, :], mask=row_mask, other=0.0)
-            do = tl.load(DO + q_base + rows[:, None] * D + offs_d[None, :], mask=row_mask, other=0.0)
-            if UPCAST:
-                q, do = q.to(tl.float32), do.to(tl.float32)
-            lse = tl.load(LSE + bh * Nq + rows, mask=rows < Nq, other=0.0)
-            delta = tl.load(DELTA + bh * Nq + rows, mask=rows < Nq, other=0.0)
-            p, ds = _p_and_ds(q, k, v, do, lse, delta, rows, offs_n, Nq, Nk, scale, CAUSAL)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q).to(tl.float32)
-    tl.store(DK + kv_base + offs_n[:, None] * D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + kv_base + offs_n[:, None] * D + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+def _visible(rows, start, n, Nq, Nk, device):
+    """(rows, n) bool: which of keys [start, start + n) each query row sees, causal aligned bottom-right."""
+    cols = torch.arange(start, start + n, device=device)
+    return cols[None, :] <= torch.arange(rows, device=device)[:, None] + (Nk - Nq)
 
 
-@triton.jit
-def _flash_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, scale, Nq, Nk, Hq, GROUP,
-                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
-    """dQ = scale * dS K for one tile of queries, over every key."""
-    start_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    kv_bh = (bh // Hq) * (Hq // GROUP) + (bh % Hq) // GROUP
-    q_base, kv_base = bh * Nq * D, kv_bh * Nk * D
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    row_mask = offs_m[:, None] < Nq
-    q = tl.load(Q + q_base + offs_m[:, None] * D + offs_d[None, :], mask=row_mask, other=0.0)
-    do = tl.load(DO + q_base + offs_m[:, None] * D + offs_d[None, :], mask=row_mask, other=0.0)
-    if UPCAST:
-        q, do = q.to(tl.float32), do.to(tl.float32)
-    lse = tl.load(LSE + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
-    delta = tl.load(DELTA + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
-    dq = tl.zeros([BLOCK_M, D], tl.float32)
-    shift = Nk - Nq
-    hi = tl.minimum((start_m + 1) * BLOCK_M + shift, Nk) if CAUSAL else Nk
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        kv_mask = cols[:, None] < Nk
-        k = tl.load(K + kv_base + cols[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_base + cols[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        _, ds = _p_and_ds(q, k, v, do, lse, delta, offs_m, cols, Nq, Nk, scale, CAUSAL)
-        dq += tl.dot(ds.to(k.dtype), k).to(tl.float32)
-    tl.store(DQ + q_base + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_mask)
+# ---------------------------------------------------------------- the PyTorch twins
+def _tiles(q, k, v, causal, scale, block_n):
+    """The forward's loop over key tiles: fp32 O (B, Hkv, G, Nq, d) and lse (B, Hkv, G, Nq)."""
+    Nq, Nk = q.shape[2], k.shape[2]
+    qg = _grouped(q, k.shape[1]).float()                        # (B, Hkv, G, Nq, d)
+    m = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
+    l = torch.zeros(qg.shape[:-1], device=q.device)
+    acc = torch.zeros(qg.shape, device=q.device)
+    for start in range(0, Nk, block_n):
+        kb, vb = (t[:, :, None, start:start + block_n].float() for t in (k, v))   # (B, Hkv, 1, n, d)
+        s = (qg @ kb.transpose(-1, -2)) * scale                 # (B, Hkv, G, Nq, n): one tile of scores
+        if causal:
+            s = s.masked_fill(~_visible(Nq, start, kb.shape[-2], Nq, Nk, q.device), float("-inf"))
+        m, l, acc = online_softmax_step(m, l, acc, s, vb)
+    return acc / l[..., None], m + torch.log(l)
 
 
-# ---------------------------------------------------------------- the Python side
-def _check_qkv(q, k, v, causal):
+def forward_torch(q, k, v, causal, scale, block_m, block_n):
+    """(O in q's dtype, fp32 lse (B, Hq, Nq)): the twin of `flash_fwd_kernel` (block_m is the kernel's
+    unit of parallelism; here all query rows form one tile)."""
+    o, lse = _tiles(q, k, v, causal, scale, block_n)
+    return o.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:-1])
+
+
+def backward_torch(q, k, v, o, lse, do, causal, scale, block_m, block_n):
+    """(dq, dk, dv), one tile of keys at a time from the saved log-sum-exp (Dao 2023, Algorithm 2):
+    P = exp(S - lse), dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dK = scale dS^T Q, dQ = scale dS K.
+    The twin of `flash_bwd_dkdv_kernel` and `flash_bwd_dq_kernel`; with GQA, dK and dV sum over the
+    query heads that read each key/value head."""
+    Hkv, Nq, Nk = k.shape[1], q.shape[2], k.shape[2]
+    qg, dog = _grouped(q, Hkv).float(), _grouped(do, Hkv).float()       # (B, Hkv, G, Nq, d)
+    lse_g = lse.reshape(qg.shape[:-1])
+    delta = (dog * _grouped(o, Hkv).float()).sum(-1)                    # D = rowsum(dO * O), (B, Hkv, G, Nq)
+    dq, dk, dv = torch.zeros_like(qg), torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)
+    for start in range(0, Nk, block_n):
+        kb, vb = (t[:, :, None, start:start + block_n].float() for t in (k, v))   # (B, Hkv, 1, n, d)
+        s = (qg @ kb.transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(~_visible(Nq, start, kb.shape[-2], Nq, Nk, q.device), float("-inf"))
+        p = torch.exp(s - lse_g[..., None])                             # (B, Hkv, G, Nq, n), recomputed
+        ds = p * (dog @ vb.transpose(-1, -2) - delta[..., None])
+        dv[:, :, start:start + block_n] = (p.transpose(-1, -2) @ dog).sum(2)
+        dk[:, :, start:start + block_n] = (ds.transpose(-1, -2) @ qg).sum(2) * scale
+        dq += (ds @ kb) * scale
+    return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def decode_torch(q, k, v, split_len, scale, block_n):
+    """fp32 (o_parts (B, Hq, S, d), lse_parts (B, Hq, S)): the forward over each split of split_len keys
+    (whole key blocks), the twin of `decode_split_kernel`."""
+    parts = [_tiles(q, k[:, :, a:a + split_len], v[:, :, a:a + split_len], False, scale, block_n)
+             for a in range(0, k.shape[2], split_len)]
+    B, Hq, _, D = q.shape
+    o_parts = torch.stack([o.reshape(B, Hq, D) for o, _ in parts], 2)
+    lse_parts = torch.stack([lse.reshape(B, Hq) for _, lse in parts], 2)
+    return o_parts, lse_parts
+
+
+def paged_torch(q, k_cache, v_cache, block_table, seq_lens, scale):
+    """(B, Hq, d) in q's dtype: each sequence's keys read block by block through its block table, folded
+    in by the online softmax; the twin of `paged_decode_kernel`."""
+    B, Hq, D = q.shape
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    qg = q.float().reshape(B, Hkv, Hq // Hkv, 1, D)                     # (B, Hkv, G, 1, d)
+    m = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
+    l = torch.zeros(qg.shape[:-1], device=q.device)
+    acc = torch.zeros(qg.shape, device=q.device)
+    for i in range(-(-int(seq_lens.max()) // block_size)):             # logical block i of every sequence
+        valid = i * block_size + torch.arange(block_size, device=q.device) < seq_lens[:, None]   # (B, bs)
+        blocks = torch.where(valid[:, 0], block_table[:, i], 0).long()  # a finished sequence reads block 0, masked
+        kb, vb = (c[blocks].float().permute(0, 2, 1, 3)[:, :, None] for c in (k_cache, v_cache))  # (B, Hkv, 1, bs, d)
+        s = (qg @ kb.transpose(-1, -2)) * scale                         # (B, Hkv, G, 1, bs)
+        s = s.masked_fill(~valid[:, None, None, None, :], float("-inf"))
+        m, l, acc = online_softmax_step(m, l, acc, s, vb)
+    return (acc / l[..., None]).reshape(B, Hq, D).to(q.dtype)
+
+
+# ---------------------------------------------------------------- one switch
+def _backend(backend):
+    """The functions of `backend`: {"forward", "backward", "decode", "paged"} -> the twin or the kernel's launcher."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if has("triton") else "torch"
+    if backend == "torch":
+        return dict(forward=forward_torch, backward=backward_torch, decode=decode_torch, paged=paged_torch)
+    if not has("triton"):
+        raise ModuleNotFoundError("backend='triton' needs triton, which is not installed here (pip install triton "
+                                  "on Linux); backend='torch' runs the same algorithm in plain PyTorch")
+    from . import flash_triton as ft
+    return dict(forward=ft.forward_triton, backward=ft.backward_triton, decode=ft.decode_triton, paged=ft.paged_triton)
+
+
+def kernel_source(name):
+    """The source of a Triton kernel of `labkit.flash_triton` as text, read from the file (no triton needed):
+    name is "forward", "backward_dkdv", "backward_dq", "decode" or "paged"."""
+    import ast
+    import pathlib
+    kernels = dict(forward="flash_fwd_kernel", backward_dkdv="flash_bwd_dkdv_kernel",
+                   backward_dq="flash_bwd_dq_kernel", decode="decode_split_kernel", paged="paged_decode_kernel")
+    if name not in kernels:
+        raise ValueError(f"name must be one of {sorted(kernels)}, got {name!r}")
+    text = (pathlib.Path(__file__).parent / "flash_triton.py").read_text()
+    node = next(n for n in ast.parse(text).body if getattr(n, "name", None) == kernels[name])
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list])        # from its @triton.jit line
+    return "\n".join(text.splitlines()[first - 1:node.end_lineno])
+
+
+# ---------------------------------------------------------------- arguments, checked before any work
+def _check_tensor(name, t, dims, what):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {what}, got {type(t).__name__}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor (a shape without values): attention needs real values")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be a {what} tensor, got shape {tuple(t.shape)}")
+    if any(n == 0 for n in t.shape):
+        raise ValueError(f"{name} must not be empty ({what}), got shape {tuple(t.shape)}")
+
+
+def _check_dtypes(**tensors):
+    dtypes = {t.dtype for t in tensors.values()}
+    for name, t in tensors.items():
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    if len(dtypes) > 1:
+        raise TypeError(f"{', '.join(tensors)} must share a dtype, got "
+                        + ", ".join(f"{n} {t.dtype}" for n, t in tensors.items()))
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        raise ValueError("all tensors must be on one device, got " + ", ".join(f"{n} {t.device}" for n, t in tensors.items()))
+
+
+def _check_heads(hq, hkv, d, dk):
+    if dk != d or d not in HEAD_DIMS:
+        raise ValueError(f"head dim must be 16, 32, 64 or 128 (a power of two tl.dot accepts) and equal in q "
+                         f"and k, got {d} and {dk}")
+    if hq % hkv:
+        raise ValueError(f"q's heads ({hq}) must be a multiple of k's and v's heads ({hkv}) for grouped-query attention")
+
+
+def _scale(sm_scale, d):
+    if sm_scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) or not math.isfinite(sm_scale):
+        raise TypeError(f"sm_scale must be a finite number or None (1/sqrt(d)), got {sm_scale!r}")
+    return float(sm_scale)
+
+
+def _check_block(name, b):
+    if isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1):
+        raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {b!r}")
+
+
+def _check_qkv(q, k, v, causal, sm_scale, blocks):
+    if isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[2] == 0:
+        raise ValueError(f"k holds no keys (shape {tuple(k.shape)}): a softmax over no keys is undefined "
+                         f"(SDPA returns zeros there, a kernel 0/0); pass at least one key")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a (batch, heads, N, d) tensor, got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        _check_tensor(name, t, 4, "(batch, heads, N, d)")
+    _check_dtypes(q=q, k=k, v=v)
     (B, Hq, Nq, D), (Bk, Hkv, Nk, Dk) = q.shape, k.shape
-    if k.shape != v.shape or Bk != B or Dk != D:
+    if k.shape != v.shape or Bk != B:
         raise ValueError(f"k and v must be (batch, kv_heads, Nk, d) with q's batch and d: q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if Hq % Hkv:
-        raise ValueError(f"q's heads ({Hq}) must be a multiple of k's and v's heads ({Hkv}) for grouped-query attention")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head dim must be 16, 32, 64 or 128 (a power of two tl.dot accepts), got {D}")
+    _check_heads(Hq, Hkv, D, Dk)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
     if causal and Nq > Nk:
         raise ValueError(f"causal attention aligned bottom-right needs Nq <= Nk (rows above would see no key), "
                          f"got Nq={Nq}, Nk={Nk}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, b in blocks.items():
+        _check_block(name, b)
+    return _scale(sm_scale, D)
 
 
-def _result_buffer(like):
-    """Where a kernel writes a result shaped like `like`: fp32 under the interpreter (see `_result`)."""
-    return torch.empty_like(like, dtype=torch.float32 if INTERPRETED else like.dtype)
-
-
-def _result(buffer, dtype):
-    """The kernel's result in `dtype`, rounded to nearest by torch (the interpreter would truncate)."""
-    return buffer.to(dtype)
-
-
-def _launch_args(q, k, causal, sm_scale, block_m, block_n):
-    B, Hq, Nq, D = q.shape
-    group = Hq // k.shape[1]
-    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
-    consts = dict(D=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
-                  UPCAST=INTERPRETED and q.dtype != torch.float32)
-    return (scale, Nq, k.shape[2], Hq, group), consts
-
-
+# ---------------------------------------------------------------- the public functions
 class _FlashAttention(torch.autograd.Function):
     """Forward saves (q, k, v, O, lse): q, k, v are the caller's own tensors (when contiguous), so
     autograd's extra holding between the passes is O and the fp32 log-sum-exp, B * H * Nq * (d * itemsize + 4) bytes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, block_m, block_n):
+    def forward(ctx, q, k, v, causal, scale, block_m, block_n, fns):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        B, Hq, Nq, D = q.shape
-        o = _result_buffer(q)
-        lse = torch.empty(B, Hq, Nq, device=q.device, dtype=torch.float32)
-        args, consts = _launch_args(q, k, causal, sm_scale, block_m, block_n)
-        _flash_fwd[(triton.cdiv(Nq, block_m), B * Hq)](q, k, v, o, lse, *args, **consts)
-        o = _result(o, q.dtype)
+        o, lse = fns["forward"](q, k, v, causal, scale, block_m, block_n)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.settings = (causal, sm_scale, block_m, block_n)
+        ctx.settings = (causal, scale, block_m, block_n, fns)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        causal, sm_scale, block_m, block_n = ctx.settings
-        do = do.contiguous()
-        delta = (do.float() * o.float()).sum(-1)               # D = rowsum(dO * O), (B, Hq, Nq) fp32
-        dq, dk, dv = _result_buffer(q), _result_buffer(k), _result_buffer(v)
-        args, consts = _launch_args(q, k, causal, sm_scale, block_m, block_n)
-        B, Hkv, Nk, _ = k.shape
-        _flash_bwd_dkdv[(triton.cdiv(Nk, block_n), B * Hkv)](q, k, v, do, lse, delta, dk, dv, *args, **consts)
-        _flash_bwd_dq[(triton.cdiv(q.shape[2], block_m), B * q.shape[1])](q, k, v, do, lse, delta, dq, *args, **consts)
-        return _result(dq, q.dtype), _result(dk, k.dtype), _result(dv, v.dtype), None, None, None, None
+        causal, scale, block_m, block_n, fns = ctx.settings
+        dq, dk, dv = fns["backward"](q, k, v, o, lse, do.contiguous(), causal, scale, block_m, block_n)
+        return dq, dk, dv, None, None, None, None, None
 
 
-def flash_attention(q, k, v, causal=False, sm_scale=None, block_m=32, block_n=32, return_lse=False):
-    """softmax(q k^T * sm_scale) v by the tiled Triton kernels, with a Triton backward for autograd.
+def flash_attention(q, k, v, causal=False, sm_scale=None, block_m=32, block_n=32, return_lse=False, backend="auto"):
+    """softmax(q k^T * sm_scale) v tile by tile, with a backward from the log-sum-exp for autograd.
 
-    q: (batch, Hq, Nq, d); k, v: (batch, Hkv, Nk, d) with Hq a multiple of Hkv (GQA/MQA). `causal`
-    aligns the mask bottom-right (query i sees keys j <= i + Nk - Nq). `sm_scale` defaults to 1/sqrt(d).
-    With `return_lse`, also the (batch, Hq, Nq) fp32 log-sum-exp of each row's scores.
+    q: (batch, Hq, Nq, d); k, v: (batch, Hkv, Nk, d) with Hq a multiple of Hkv (GQA/MQA), Nk >= 1.
+    `causal` aligns the mask bottom-right (query i sees keys j <= i + Nk - Nq). `sm_scale` defaults to
+    1/sqrt(d). With `return_lse`, also the (batch, Hq, Nq) fp32 log-sum-exp of each row's scores.
+    `backend`: "torch" (the twin), "triton" (the kernels) or "auto" (triton where installed).
     """
-    _check_qkv(q, k, v, causal)
-    for name, b in (("block_m", block_m), ("block_n", block_n)):
-        if isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {b!r}")
-    o, lse = _FlashAttention.apply(q, k, v, causal, sm_scale, block_m, block_n)
+    fns = _backend(backend)
+    scale = _check_qkv(q, k, v, causal, sm_scale, dict(block_m=block_m, block_n=block_n))
+    o, lse = _FlashAttention.apply(q, k, v, causal, scale, block_m, block_n, fns)
     return (o, lse) if return_lse else o
-
-
-# ---------------------------------------------------------------- decoding: one query, a long cache
-@triton.jit
-def _decode_split(Q, K, V, O_PART, LSE_PART, scale, Nk, Hq, GROUP, SPLITS, split_len,
-                  D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One query row against keys [split * split_len, (split + 1) * split_len): its partial output
-    (normalised within the split) and the split's log-sum-exp."""
-    split = tl.program_id(0)
-    bh = tl.program_id(1)
-    kv_bh = (bh // Hq) * (Hq // GROUP) + (bh % Hq) // GROUP
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    q = tl.load(Q + bh * D + offs_d).to(tl.float32) * scale    # (D,): one row, so no tl.dot
-    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
-    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
-    acc = tl.zeros([D], tl.float32)
-    start = split * split_len
-    end = tl.minimum(start + split_len, Nk)
-    for start_n in range(start, end, BLOCK_N):
-        cols = start_n + offs_n
-        mask = cols < end
-        ptrs = kv_bh * Nk * D + cols[:, None] * D + offs_d[None, :]
-        k = tl.load(K + ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
-        v = tl.load(V + ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
-        s = tl.where(mask, tl.sum(k * q[None, :], 1), float("-inf"))    # (BLOCK_N,) scores
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        m_i = m_new
-    tl.store(O_PART + (bh * SPLITS + split) * D + offs_d, acc / l_i)
-    tl.store(LSE_PART + bh * SPLITS + split, m_i + tl.log(l_i))
 
 
 def combine_splits(o_parts, lse_parts):
@@ -316,67 +290,32 @@ def combine_splits(o_parts, lse_parts):
     return (weights[..., None] * o_parts).sum(-2), lse
 
 
-def flash_decode(q, k, v, num_splits=4, sm_scale=None, block_n=32, return_parts=False):
+def flash_decode(q, k, v, num_splits=4, sm_scale=None, block_n=32, return_parts=False, backend="auto"):
     """Attention of one new query per (batch, head) against a long K/V cache, split over key blocks.
 
-    q: (batch, Hq, 1, d); k, v: (batch, Hkv, Nk, d). Each of `num_splits` programs per head reads its
-    share of the cache (flash-decoding: parallel over the keys, where one query row leaves a forward
-    kernel one program per head); `combine_splits` merges them. Returns (batch, Hq, 1, d) in q's dtype,
-    or with `return_parts` the fp32 partials (o_parts (B, Hq, S, d), lse_parts (B, Hq, S)) as well.
+    q: (batch, Hq, 1, d); k, v: (batch, Hkv, Nk, d). Each of at most `num_splits` splits (whole blocks
+    of `block_n` keys, none empty; rounding each split up to whole blocks can leave fewer splits, e.g.
+    Nk=300, num_splits=4, block_n=64 gives 3 of 128 keys) gives a partial output and log-sum-exp
+    (flash-decoding: on a GPU one program per split and head, where one query row leaves a forward
+    kernel one program per head);
+    `combine_splits` merges them. Returns (batch, Hq, 1, d) in q's dtype, or with `return_parts` the
+    fp32 partials (o_parts (B, Hq, S, d), lse_parts (B, Hq, S)) as well.
     """
-    _check_qkv(q, k, v, causal=False)
+    fns = _backend(backend)
+    scale = _check_qkv(q, k, v, False, sm_scale, dict(block_n=block_n))
     if q.shape[2] != 1:
         raise ValueError(f"flash_decode takes one query per head (q of shape (batch, heads, 1, d)), got Nq={q.shape[2]}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    B, Hq, _, D = q.shape
     Nk = k.shape[2]
-    split_len = triton.cdiv(triton.cdiv(Nk, num_splits), block_n) * block_n     # whole key blocks per split
-    splits = triton.cdiv(Nk, split_len)                                         # none left empty
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o_parts = torch.empty(B, Hq, splits, D, device=q.device, dtype=torch.float32)
-    lse_parts = torch.empty(B, Hq, splits, device=q.device, dtype=torch.float32)
-    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
-    _decode_split[(splits, B * Hq)](q, k, v, o_parts, lse_parts, scale, Nk, Hq, Hq // k.shape[1], splits,
-                                    split_len, D=D, BLOCK_N=block_n)
+    split_len = -(-(-(-Nk // num_splits)) // block_n) * block_n      # whole key blocks per split, none empty
+    o_parts, lse_parts = fns["decode"](q.contiguous(), k.contiguous(), v.contiguous(), split_len, scale, block_n)
     o, _ = combine_splits(o_parts, lse_parts)
     o = o[:, :, None, :].to(q.dtype)
     return (o, o_parts, lse_parts) if return_parts else o
 
 
-# ---------------------------------------------------------------- decoding through block tables
-@triton.jit
-def _paged_decode(Q, K_CACHE, V_CACHE, TABLE, SEQ_LENS, O, scale, Hq, GROUP, max_blocks,
-                  stride_blk, stride_tok, stride_head,
-                  D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """One query row of sequence b against its cache, block by block through its block table."""
-    bh = tl.program_id(0)
-    b = bh // Hq
-    kv_head = (bh % Hq) // GROUP
-    offs_t = tl.arange(0, BLOCK_SIZE)
-    offs_d = tl.arange(0, D)
-    seq_len = tl.load(SEQ_LENS + b)
-    q = tl.load(Q + bh * D + offs_d).to(tl.float32) * scale
-    m_i = tl.max(tl.full([BLOCK_SIZE], float("-inf"), tl.float32), 0)
-    l_i = tl.sum(tl.zeros([BLOCK_SIZE], tl.float32), 0)
-    acc = tl.zeros([D], tl.float32)
-    for i in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
-        block = tl.load(TABLE + b * max_blocks + i).to(tl.int64)           # logical block i -> physical
-        mask = i * BLOCK_SIZE + offs_t < seq_len                           # the last block may be part-full
-        ptrs = block * stride_blk + offs_t[:, None] * stride_tok + kv_head * stride_head + offs_d[None, :]
-        k = tl.load(K_CACHE + ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
-        v = tl.load(V_CACHE + ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
-        s = tl.where(mask, tl.sum(k * q[None, :], 1), float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        m_i = m_new
-    tl.store(O + bh * D + offs_d, (acc / l_i).to(O.dtype.element_ty))
-
-
-def paged_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale=None):
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale=None, backend="auto"):
     """Decode attention with K/V stored in fixed-size blocks (PagedAttention).
 
     q: (batch, Hq, d), one new query per sequence; k_cache, v_cache: (num_blocks, block_size, Hkv, d);
@@ -384,35 +323,35 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale=None):
     past a sequence's length are ignored); seq_lens: (batch,) int, tokens cached per sequence (>= 1).
     Returns (batch, Hq, d) in q's dtype.
     """
-    if q.dim() != 3:
-        raise ValueError(f"q must be (batch, heads, d), got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must share one (num_blocks, block_size, kv_heads, d) shape, got "
-                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    fns = _backend(backend)
+    _check_tensor("q", q, 3, "(batch, heads, d)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t, 4, "(num_blocks, block_size, kv_heads, d)")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must share one shape, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    _check_dtypes(q=q, k_cache=k_cache, v_cache=v_cache)
     B, Hq, D = q.shape
     num_blocks, block_size, Hkv, Dk = k_cache.shape
-    if Dk != D or D not in HEAD_DIMS:
-        raise ValueError(f"head dim must be one of {HEAD_DIMS} and equal in q and the cache, got {D} and {Dk}")
-    if Hq % Hkv:
-        raise ValueError(f"q's heads ({Hq}) must be a multiple of the cache's heads ({Hkv})")
-    if block_size < 1 or block_size & (block_size - 1):
+    _check_heads(Hq, Hkv, D, Dk)
+    scale = _scale(sm_scale, D)
+    if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two (tl.arange's rule), got {block_size}")
-    if block_table.dim() != 2 or block_table.shape[0] != B or block_table.dtype.is_floating_point:
-        raise ValueError(f"block_table must be an int (batch={B}, max_blocks) tensor, got {tuple(block_table.shape)} "
-                         f"{block_table.dtype}")
-    if seq_lens.shape != (B,) or seq_lens.dtype.is_floating_point:
-        raise ValueError(f"seq_lens must be an int ({B},) tensor, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    for name, t, shape in (("block_table", block_table, f"(batch={B}, max_blocks)"), ("seq_lens", seq_lens, f"({B},)")):
+        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int tensor {shape}, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is a meta tensor (a shape without values): the kernel reads its values")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"block_table must be an int (batch={B}, max_blocks) tensor, got {tuple(block_table.shape)}")
+    if seq_lens.shape != (B,):
+        raise ValueError(f"seq_lens must be an int ({B},) tensor, got {tuple(seq_lens.shape)}")
     lens = seq_lens.tolist()
     if min(lens) < 1 or max(lens) > block_table.shape[1] * block_size:
         raise ValueError(f"seq_lens must lie in [1, max_blocks * block_size = {block_table.shape[1] * block_size}], got {lens}")
-    used = torch.cat([block_table[b, :triton.cdiv(n, block_size)] for b, n in enumerate(lens)])
+    used = torch.cat([block_table[b, :-(-n // block_size)] for b, n in enumerate(lens)])
     if used.min() < 0 or used.max() >= num_blocks:
         raise ValueError(f"block_table points outside the cache's {num_blocks} blocks: {used.tolist()}")
-    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-    q = q.contiguous()
-    o = _result_buffer(q)
-    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
-    table, lens_t = block_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
-    _paged_decode[(B * Hq,)](q, k_cache, v_cache, table, lens_t, o, scale, Hq, Hq // Hkv, table.shape[1],
-                             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), D=D, BLOCK_SIZE=block_size)
-    return _result(o, q.dtype)
+    return fns["paged"](q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), block_table, seq_lens, scale)

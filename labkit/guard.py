@@ -11,7 +11,7 @@ import weakref
 import torch
 
 from .device import has
-from .memory import _tensors, track
+from .memory import _objects, _tensors, track
 from .units import fmt_bytes, parse_bytes
 
 __all__ = ["oom_guard", "budget", "free", "requires"]
@@ -38,14 +38,18 @@ class oom_guard(contextlib.AbstractContextManager):
     Caught: `torch.OutOfMemoryError` and a RuntimeError saying the allocator failed (CPU, MPS).
     After the block: `.oom` is True if it ran out of memory, `.message` says what happened. The
     same guard can be entered again; each block starts with `.oom` False.
+    A name in the block's scope bound to a tensor with an autograd graph (`loss = model(...).loss` before
+    a backward that ran out) keeps everything forward saved alive: the guard cannot unbind it, so its
+    message (and `.graphs`) names it and says to `del` it.
+    objs may be iterators (`model.parameters()`): they are read once, here.
     """
 
     def __init__(self, *objs, quiet=False):
-        self.quiet, self.oom, self.message, self.cleared = quiet, False, None, 0
-        self._objs = [_weak(o) for o in objs]
+        self.quiet, self.oom, self.message, self.cleared, self.graphs = quiet, False, None, 0, []
+        self._objs = [_weak(o) for o in _objects(objs, "oom_guard")]
 
     def __enter__(self):
-        self.oom, self.message, self.cleared = False, None, 0
+        self.oom, self.message, self.cleared, self.graphs = False, None, 0, []
         return self
 
     def __exit__(self, kind, exc, tb):
@@ -60,11 +64,20 @@ class oom_guard(contextlib.AbstractContextManager):
         sys.last_value = sys.last_traceback = None
         del exc, tb
         grads = self._clear_grads(in_training)
+        self.graphs = _graphs_held(sys._getframe(1))
         free()
+        graphs = ""
+        if self.graphs:
+            names = ", ".join(f"`{n}`" for n in self.graphs)
+            graphs = (f"{names} still {'holds its' if len(self.graphs) == 1 else 'hold their'} autograd graph "
+                      f"(every tensor forward saved for backward stays alive): `del {', '.join(self.graphs)}` "
+                      f"after this block, or call `.backward()` on the expression without naming it "
+                      f"(`model(...).loss.backward()`).")
         if not self.quiet:
             where = (f"; CUDA allocated now {fmt_bytes(torch.cuda.memory_allocated())}"
                      if torch.cuda.is_available() else "")
-            print(f"OutOfMemoryError caught: {self.message}{where}. {grads + ' ' if grads else ''}The kernel goes on.")
+            said = " ".join(x for x in (grads, graphs) if x)
+            print(f"OutOfMemoryError caught: {self.message}{where}. {said + ' ' if said else ''}The kernel goes on.")
         return True
 
     def _clear_grads(self, in_training):
@@ -84,6 +97,13 @@ class oom_guard(contextlib.AbstractContextManager):
                     p.grad = None
                     self.cleared += 1
         return f"Cleared the partial .grad of {self.cleared} tensors." if self.cleared else ""
+
+
+def _graphs_held(frame):
+    """Names in the frame running the with-block bound to a tensor that still has an autograd graph."""
+    scope = frame.f_locals
+    return sorted(n for n, v in list(scope.items())
+                  if isinstance(v, torch.Tensor) and v.grad_fn is not None and not n.startswith("_"))
 
 
 def _weak(obj):
@@ -110,6 +130,9 @@ def budget(size, *objs):
             raise torch.OutOfMemoryError(f"budget {fmt_bytes(limit)} exceeded before the block ran: "
                                          f"CUDA already holds {fmt_bytes(held)}")
         total = torch.cuda.get_device_properties(0).total_memory
+        # The fraction is checked only when the allocator reserves a new segment: blocks it already
+        # caches would be handed out past the budget, so return them first.
+        torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total))
         try:
             with track(*objs) as mem:

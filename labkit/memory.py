@@ -10,8 +10,9 @@ On CUDA the allocator's own peak (`torch.cuda.max_memory_allocated`) is read as 
 What the dispatch-mode tracker cannot see (say so wherever it matters):
 - tensors made by other threads: a dispatch mode is per thread (the autograd engine's own threads
   inherit it; a `threading.Thread` or a DataLoader worker you start does not);
-- `resize_` (or an `out=` op growing) a storage born before the block: only storages it counted
-  can grow or shrink in its books;
+- `resize_` (or an `out=` op growing) a storage born before the block and not passed in: only storages
+  it counted can grow or shrink in its books (`untyped_storage().resize_()`, how FSDP frees and refills
+  parameters, is no dispatched op: `track()` wraps `torch.UntypedStorage.resize_` while a block runs);
 - code compiled by `torch.compile`: Dynamo will not run a compiled graph under a dispatch mode; it
   falls back to eager (and, in torch 2.13, keeps running that function eagerly afterwards), so what
   would be counted is not what the compiled code allocates. `track()` refuses such a block with a
@@ -27,6 +28,7 @@ appends per allocation. The timeline is built once, when first read, and cached.
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import functools
 import logging
@@ -51,6 +53,7 @@ _CAT = {c: i for i, c in enumerate(CATEGORIES)}
 _OTHER, _ACTIVATIONS = _CAT["other"], _CAT["activations"]
 _STRIDED = torch.strided
 _DYNAMO_LOG = "torch._dynamo.convert_frame"     # where Dynamo says why it skipped a frame
+_HERE = os.path.abspath(__file__)
 
 
 def track(*objs, budget=None, device=None, snapshot=None, backend="dispatch"):
@@ -64,6 +67,8 @@ def track(*objs, budget=None, device=None, snapshot=None, backend="dispatch"):
     device: count only tensors on this device type ("cpu", "cuda", "meta"); default: all.
     snapshot: on CUDA, a file to write the allocator's memory snapshot to (open it with
     https://pytorch.org/memory_viz); ignored elsewhere.
+    Categories: "kv_cache" is a K/V cache kept for later tokens (no autograd graph); in a training
+    forward with `use_cache` on, the cache's K and V are tensors backward needs: "activations".
     backend: "dispatch" (default) counts storages op by op, also on fake and meta tensors; it cannot
     see other threads, `resize_` of storages born before the block, nor compiled code (it raises if
     a `torch.compile`d function runs in the block). "profiler" sums `torch.profiler`'s memory events
@@ -72,8 +77,30 @@ def track(*objs, budget=None, device=None, snapshot=None, backend="dispatch"):
     (nothing is allocated); no budget; `live` and `peak` are known once the block ends. Inside
     compiled code the submodules' hooks do not run: pass the compiled module itself
     (`track(compiled_model, opt, backend="profiler")`) to get its "forward" marks.
+    Nesting: dispatch trackers nest, each counting on its own (an `lk.budget` inside an `lk.track`); a
+    profiler tracker nests with none (RuntimeError).
     """
     return Tracker(*objs, budget=budget, device=device, snapshot=snapshot, backend=backend)
+
+
+def _objects(objs, fn):
+    """objs as given, with each one-shot iterator (`model.parameters()`, a generator, `map`) read into a
+    list once: walked later, it would be empty and the tracker or guard would silently see nothing."""
+    out = []
+    for n, obj in enumerate(objs):
+        if isinstance(obj, (str, bytes, int, float, complex)) or obj is None:
+            raise TypeError(f"{fn}() takes modules, optimizers, tensors or iterables of them; argument {n} "
+                            f"is {type(obj).__name__} {obj!r}")
+        one_shot = hasattr(obj, "__next__") and iter(obj) is obj
+        if not isinstance(obj, torch.Tensor) and (one_shot or isinstance(obj, collections.abc.ValuesView)):
+            items = list(obj)
+            bad = [type(t).__name__ for t in items if not isinstance(t, (torch.Tensor, torch.nn.Module, list, tuple))]
+            if bad:
+                raise TypeError(f"{fn}() argument {n} is an iterator of {bad[0]}, expected tensors or modules "
+                                f"(like model.parameters())")
+            obj = items
+        out.append(obj)
+    return tuple(out)
 
 
 class _CompiledCodeSeen(logging.Filter):
@@ -87,7 +114,8 @@ class _CompiledCodeSeen(logging.Filter):
         if record.levelno < self.shown_from:
             msg = record.getMessage()
             if "dispatch mode" in msg:
-                self.frames.append(msg.split(" (reason")[0].removeprefix("skipping: "))
+                if f"file: {_HERE}" not in msg:   # labkit's own callbacks (a storage's weakref), not the user's code
+                    self.frames.append(msg.split(" (reason")[0].removeprefix("skipping: "))
             return False
         return True
 
@@ -108,6 +136,7 @@ class Tracker(TorchDispatchMode):
         if kind not in (None, "cpu", "cuda", "meta", "mps", "xpu"):
             raise ValueError(f"device must be a device type like 'cpu', 'cuda' or 'meta', got {device!r}")
         self.device = kind
+        objs = _objects(objs, "track")
         self._objs = objs      # dropped once counted: the report keeps no model alive
         self._live = {}        # id(storage) -> [serial, nbytes, weakref]
         self._label = []       # serial -> category index (the latest wins, for the whole lifetime)
@@ -197,6 +226,15 @@ class Tracker(TorchDispatchMode):
             raise torch.OutOfMemoryError(
                     f"budget {fmt_bytes(self.budget)} exceeded: live {fmt_bytes(self.live)} after allocating "
                     f"{fmt_bytes(delta)} ({tuple(t.shape) if t is not None else ''} {getattr(t, 'dtype', '')})")
+
+    def _storage_resized(self, st):
+        """`UntypedStorage.resize_` inside the block (FSDP frees and refills parameters that way): a storage
+        this tracker counts shrinks or grows in its books. One it never saw stays unseen."""
+        if self._closed or self.device is not None and st.device.type != self.device:
+            return
+        entry = self._live.get(id(st))
+        if entry is not None and st.nbytes() != entry[1]:
+            self._resized(entry, st, None)
 
     def _free(self, key, ref):
         if self._closed:
@@ -293,8 +331,18 @@ class Tracker(TorchDispatchMode):
             self.label(obj.state, "optimizer")
             self._hooks.append(obj.register_step_pre_hook(lambda *a: self._enter_phase(_OTHER, "step")))
             self._hooks.append(obj.register_step_post_hook(lambda o, *a: self._step_done(o)))
-        else:
-            self.label(obj, "other")
+        else:                                # tensors, containers: nn.Parameters count as parameters
+            found = list(_tensors(obj))
+            params = [t for t in found if isinstance(t, torch.nn.Parameter)]
+            grads = [p.grad for p in params if p.grad is not None]
+            taken = {id(t) for t in params + grads}
+            self.label([t for t in found if id(t) not in taken], "other")
+            self.label(params, "parameters")
+            self.label(grads, "gradients")
+            for p in params:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(
+                        lambda p: self._see(p.grad, "gradients")))
 
     def _enter_phase(self, category, text):
         self._push(category)
@@ -325,7 +373,7 @@ class Tracker(TorchDispatchMode):
         self.mark("forward end")
         if isinstance(out, dict):            # transformers' ModelOutput: its KV cache is a cache
             for key, value in out.items():   # items(), not out.get("past_key_values"): no deprecation warning
-                if key in ("cache", "past_key_values") and value is not None:
+                if key in ("cache", "past_key_values") and value is not None and not _saved_for_backward(value):
                     self.label(value, "kv_cache")
         first = next((t for t in _tensors(out) if t.requires_grad), None)
         if first is not None and torch.is_grad_enabled():
@@ -369,10 +417,16 @@ class Tracker(TorchDispatchMode):
             warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
             self.start = self.live
             self.mark("start")
+            profilers = [t for t in _ACTIVE if t.backend == "profiler"]
+            if profilers or (self.backend == "profiler" and _ACTIVE):
+                raise RuntimeError("lk.track(backend='profiler') does not nest with another lk.track() (one torch "
+                                   "profiler at a time, and it would count the other tracker's work): end the "
+                                   "outer block first")
             if self.backend == "profiler":
                 self._start_profiler()
             else:
                 self._watch_compiled()
+            _activate(self)
             if self.cuda is not None and self.snapshot:
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
             return super().__enter__() if self.backend == "dispatch" else self
@@ -395,6 +449,7 @@ class Tracker(TorchDispatchMode):
 
     def _close(self):
         """Remove every hook, stop counting frees; keep what was measured. Safe to call twice."""
+        _deactivate(self)
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -565,6 +620,40 @@ class Tracker(TorchDispatchMode):
     def __repr__(self):
         parts = ", ".join(f"{c} {fmt_bytes(b)}" for c, b in self.peak_parts.items() if b)
         return f"<track peak {fmt_bytes(self.peak)} ({parts}); live {fmt_bytes(self.live)}>"
+
+
+def _saved_for_backward(cache):
+    """A cache filled by a forward that records a graph (training with `use_cache` left on): its K and V are
+    what attention saved for backward, so they stay activations, as lk.estimate counts them. A cache is
+    "kv_cache" only when it is kept for later tokens without a graph (generate, inference)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(cache))
+
+
+_ACTIVE = []                 # trackers inside their block, innermost last
+_RESIZE = torch.UntypedStorage.resize_
+
+
+def _resize_counted(storage, size):
+    """torch.UntypedStorage.resize_ while a dispatch tracker runs: a storage resize is no dispatched op on
+    a tensor, so no TorchDispatchMode sees it; each active tracker is told after the resize."""
+    out = _RESIZE(storage, size)
+    for tracker in list(_ACTIVE):
+        if tracker.backend == "dispatch":
+            tracker._storage_resized(storage)
+    return out
+
+
+def _activate(tracker):
+    if not _ACTIVE:
+        torch.UntypedStorage.resize_ = _resize_counted
+    _ACTIVE.append(tracker)
+
+
+def _deactivate(tracker):
+    if tracker in _ACTIVE:
+        _ACTIVE.remove(tracker)
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _RESIZE
 
 
 def _drop_record_function_note(record):

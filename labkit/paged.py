@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import numbers
+import operator
 
 __all__ = ["BlockAllocator", "BlockTables", "OutOfBlocks", "block_hashes", "NOW", "LATER", "NEVER"]
 
@@ -50,12 +51,29 @@ def block_hashes(token_ids, block_size, parent=None):
     The first block's previous hash is `parent` (None). Chaining makes a hash name a block's tokens AND
     everything before them: the same tokens after another prefix have other keys and values.
     """
-    ids = [int(t) for t in token_ids]
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    ids = _ids(token_ids, "token_ids")
     hashes = []
     for start in range(0, len(ids) - block_size + 1, block_size):
         parent = hash((parent, tuple(ids[start:start + block_size])))
         hashes.append(parent)
     return hashes
+
+
+def _ids(tokens, name):
+    """Token ids as a list of ints: whole numbers only (1.7 is not a token id), one flat sequence."""
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+        raise TypeError(f"{name} must be a sequence of token ids, got {tokens!r}")
+    ids = []
+    for i, t in enumerate(tokens):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            raise TypeError(f"{name}[{i}] must be an int token id, got {t!r}") from None
+    return ids
 
 
 class BlockAllocator:
@@ -91,8 +109,8 @@ class BlockAllocator:
         return block
 
     def share(self, block):
-        """One more owner for `block`."""
-        self._check(block)
+        """One more owner for `block` (it must be allocated: a free block has no contents to share)."""
+        self._check(block, "share")
         self.ref_count[block] += 1
 
     def free(self, block):
@@ -108,7 +126,7 @@ class BlockAllocator:
     def cache(self, block, block_hash):
         """Names the full, allocated `block` by its hash so that later sequences can share it.
         False (and nothing changes) when the hash already names another block or the block has a name."""
-        self._check(block)
+        self._check(block, "cache")
         if block_hash in self.cached or block in self.hash_of:
             return False
         self.cached[block_hash], self.hash_of[block] = block, block_hash
@@ -123,11 +141,13 @@ class BlockAllocator:
             self.ref_count[block] += 1
         return block
 
-    def _check(self, block):
+    def _check(self, block, action="free"):
         if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
             raise ValueError(f"block must be an int in [0, {self.num_blocks}), got {block!r}")
         if self.ref_count[block] == 0:
-            raise ValueError(f"Double free of block {block}: it is not allocated")
+            if action == "free":
+                raise ValueError(f"Double free of block {block}: it is not allocated")
+            raise ValueError(f"cannot {action} block {block}: it is free (allocate it first)")
 
     @property
     def num_free(self):
@@ -356,7 +376,7 @@ class BlockTables:
             return int(tokens), []
         if isinstance(tokens, (str, bytes, bool)) or not hasattr(tokens, "__len__"):
             raise TypeError(f"{name} must be a count or a sequence of token ids, got {tokens!r}")
-        ids = [int(t) for t in tokens]
+        ids = _ids(tokens, name)
         return len(ids), ids
 
     @property

@@ -158,7 +158,9 @@ class Profile:
             raise ValueError(f"the categorised timeline needs memory=True, shapes=True, stack=True, got {self._flags}")
         if self._timeline is None:
             from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
-            times, sizes = MemoryProfileTimeline(self.prof._memory_profile())._coalesce_timeline(self.device)
+            times, sizes = _coalesce(MemoryProfileTimeline(self.prof._memory_profile()), self.device)
+            if not times:
+                raise ValueError(f"the profile holds no memory events on {self.device}: did the step allocate there?")
             sizes = np.asarray(sizes, dtype=np.int64).reshape(len(times), -1)
             own = {(c.name if c is not None else None): sizes[:, i + 1] for c, i in _CATEGORY_TO_INDEX.items()}
             self._timeline = (np.asarray(times, dtype=np.int64), own)
@@ -212,6 +214,29 @@ class Profile:
                 row.update(peak_bytes=max(peaks), net_bytes=net)
             out[name] = row
         return out
+
+
+def _coalesce(timeline, device):
+    """(times, sizes by category) of a MemoryProfileTimeline's events on `device`: torch's own
+    `_coalesce_timeline`, given the device exactly as its events carry it (see `_timeline_device`)."""
+    seen = {key.device for _, _, (key, _), _ in timeline.timeline}
+    return timeline._coalesce_timeline(str(_timeline_device(seen, device)))
+
+
+def _timeline_device(seen, device):
+    """The device among `seen` (those of a profile's memory events) that `device` names.
+
+    torch's `_coalesce_timeline` keeps events whose device equals its argument, and torch.device("cuda")
+    != torch.device("cuda:0"), while the profiler records CUDA allocations with their index: "cuda"
+    alone matched nothing (an empty timeline). A name without an index means the current device."""
+    want = torch.device(device)
+    index = want.index
+    if index is None and want.type == "cuda":
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    for d in sorted(seen, key=str):
+        if d.type == want.type and (d.index is None or index is None or d.index == index):
+            return d
+    return want
 
 
 def _is_python(name):

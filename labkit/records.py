@@ -1,4 +1,10 @@
-"""Headline figures a notebook measured, saved as JSON for `make workbook`'s index."""
+"""Headline figures a notebook measured (JSON for `make workbook`'s index), and the GPU figures of data/gpu/.
+
+`record()` saves what a notebook measured in this run, in build/records/. `gpu_figures(check)` and
+`show_gpu(check)` read what `make gpu-smoke` measured on real GPUs: one JSON line per check and run in
+data/gpu/<gpu>.jsonl (committed), so a notebook on a laptop can show a GPU's figure beside its own, labelled
+with the GPU and the date, instead of a number typed into its text.
+"""
 from __future__ import annotations
 
 import datetime
@@ -11,12 +17,38 @@ import re
 
 import torch
 
+from .data import DATA_DIR
 from .device import size
 
-__all__ = ["record", "RECORDS_DIR"]
+__all__ = ["record", "RECORDS_DIR", "gpu_figures", "show_gpu", "GPU_CHECKS", "GPU_DIR", "NOTEBOOKS"]
 
 RECORDS_DIR = pathlib.Path(os.environ.get(
     "LABKIT_RECORDS", pathlib.Path(__file__).resolve().parent.parent / "build" / "records"))
+# A checkout reads data/gpu/ at the repository's root, an installed wheel labkit/_data/gpu/ (labkit.data
+# decides which, and LABKIT_DATA moves both); LABKIT_GPU_RECORDS moves this folder alone.
+GPU_DIR = pathlib.Path(os.environ.get("LABKIT_GPU_RECORDS") or DATA_DIR / "gpu")
+
+# Every check `make gpu-smoke` records (labkit/scripts/gpu_smoke.py runs them in this order), and what it measures.
+GPU_CHECKS = {
+    "test_gpu": "tests/test_gpu.py: lk.track against the CUDA caching allocator",
+    "allocator": "labkit.alloc's model against the real caching allocator (validate_allocator)",
+    "flash": "the Triton flash-attention kernel against SDPA, forward and backward: error and TFLOP/s",
+    "tf32": "fp32 matmuls with TF32 off and on: TFLOP/s and error",
+    "matmul": "the Triton matmul of labkit.kernels against cuBLAS: TFLOP/s",
+    "cuda_graphs": "a CUDA graph's private memory pool and launch time against eager",
+    "bandwidth": "host-to-device copies from pinned and pageable memory: GB/s",
+    "overlap": "a copy on a side stream overlapping compute: time against serial",
+    "bnb_4bit": "bitsandbytes 4-bit (NF4) linear layers at batch 1 against bf16",
+}
+# Then each notebook's full-size steps (its FULL_STEPS), run for real while the smoke test's time remains.
+NOTEBOOKS = ("00_start_here", "01_memory_anatomy", "02_mixed_precision", "03_activation_checkpointing",
+             "04_cpu_offload", "05_caching_allocator", "06_quantization_qlora", "07_kv_cache_paged_attention",
+             "08_flash_attention", "09_tensor_and_pipeline_parallelism", "10_zero_and_fsdp",
+             "11_compile_and_engines", "12_profiling_and_kernels")
+GPU_CHECKS.update({nb: f"notebook {nb[:2]}'s largest full-size step (FULL_STEPS) on the GPU, capped at 24 GiB less "
+                       f"its HEADROOM: whether it fits, peaks tracked, allocated and reserved against the estimate, "
+                       f"its time" for nb in NOTEBOOKS})
+_REQUIRED = ("gpu", "date", "check", "torch")
 
 
 def _clean(key, value):
@@ -76,3 +108,105 @@ def record(notebook, **figures):
     tmp.write_text(json.dumps(entry, indent=1, allow_nan=False))
     tmp.replace(path)
     return path
+
+
+def _known(check):
+    if not isinstance(check, str):
+        raise TypeError(f"check must be the name of a GPU check (a str), got {check!r}")
+    if check not in GPU_CHECKS:
+        raise ValueError(f"check must be one of {', '.join(GPU_CHECKS)}; got {check!r}")
+    return check
+
+
+def _folder(folder):
+    folder = GPU_DIR if folder is None else folder
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"folder must be a path to a folder of GPU records (*.jsonl), got {folder!r}")
+    folder = pathlib.Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"folder must be a folder of GPU records (*.jsonl), got the file {folder}")
+    return folder
+
+
+def _lines(folder):
+    """(file, line number, record) for every line of every data/gpu/*.jsonl; a bad line is an error naming it."""
+    for path in sorted(pathlib.Path(folder).glob("*.jsonl")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text ({e})") from None
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number} is not a JSON line ({e})") from None
+            missing = [key for key in _REQUIRED if not isinstance(rec, dict) or key not in rec]
+            if missing:
+                raise ValueError(f"{path}:{number} is not a GPU record: it lacks {', '.join(missing)}")
+            odd = {key: rec[key] for key in _REQUIRED if not isinstance(rec[key], str)}
+            if odd:
+                raise ValueError(f"{path}:{number} is not a GPU record: {', '.join(odd)} must be text, got {odd}")
+            yield path, number, rec
+
+
+def gpu_figures(check, *, failed=False, folder=None):
+    """The records of one GPU check from data/gpu/*.jsonl, oldest first: dicts with "gpu", "date", "check",
+    "torch" and the check's figures. Checks that failed or were skipped are left out unless `failed=True`
+    (theirs hold "status" and "error" or "reason" instead of figures)."""
+    _known(check)
+    out = []
+    for _, _, rec in _lines(_folder(folder)):
+        if rec["check"] == check and (failed or rec.get("status", "ok") == "ok"):
+            out.append(rec)
+    return sorted(out, key=lambda rec: rec["date"])
+
+
+_SKIP = set(_REQUIRED) | {"status", "seconds", "cuda"}
+
+
+def _shown(rec, keys=None):
+    from .cli import _figure
+    shown = []
+    for key in (rec if keys is None else [k for k in keys if k in rec]):
+        value = rec[key]
+        if key in _SKIP or not isinstance(value, (int, float, str)):      # nested details: gpu_figures has them
+            continue
+        shown.append(f"{key} {('yes' if value else 'no') if isinstance(value, bool) else _figure(key, value)}")
+    return ", ".join(shown) or "(no one-number figures in this record)"
+
+
+def show_gpu(check, keys=None, *, folder=None):
+    """Print each GPU record of `check`, labelled with the GPU and the date, or one line saying there is none.
+
+    keys: the figures to show (default: every one-number figure of the record); a key that no record of
+    the check holds is an error. Returns the records (as gpu_figures does), so a cell can print them and use them."""
+    if keys is not None:
+        if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
+            raise TypeError(f"keys must be a list of figure names like ['fwd_tflops'], got {keys!r}")
+        keys = list(keys)                          # a generator is read once
+        if not all(isinstance(k, str) for k in keys):
+            raise TypeError(f"keys must be a list of figure names like ['fwd_tflops'], got {keys!r}")
+    where = _folder(folder)
+    recs = gpu_figures(check, folder=where)
+    if not recs:
+        others = gpu_figures(check, failed=True, folder=where)
+        print(f"No GPU record of the check {check!r} exists yet in {_where(where)}: `make gpu-smoke` on a CUDA GPU "
+              f"writes one." + (f" ({len(others)} failed or skipped run(s) of it are there: "
+                                f"gpu_figures({check!r}, failed=True) shows why.)" if others else ""))
+        return recs
+    if keys is not None:
+        held = set().union(*(rec.keys() for rec in recs)) - _SKIP
+        unknown = [k for k in keys if k not in held]
+        if unknown:
+            raise ValueError(f"keys {unknown} are in no record of {check!r}; its figures are {sorted(held)}")
+    for rec in recs:
+        print(f"{rec['gpu']}, {rec['date'][:10]} (torch {rec['torch']}), {check}: {_shown(rec, keys)}")
+    return recs
+
+
+def _where(folder):
+    """data/gpu/ as the learner knows it, or the folder LABKIT_GPU_RECORDS / folder= points at."""
+    default = pathlib.Path(DATA_DIR / "gpu")
+    return "data/gpu/" if folder.resolve() == default.resolve() else str(folder)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMM", "reset_comm", "comm_volume", "shard_size", "shard", "unshard", "Zero", "STAGES"]
+__all__ = ["COMM", "reset_comm", "comm_volume", "shard_size", "shard", "unshard", "Zero", "Gather", "STAGES"]
 
 STAGES = (0, 1, 2, 3)
 COMM = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "all_gather_backward": 0, "calls": 0}
@@ -110,7 +110,7 @@ def _all_gather(local, world, kind="all_gather"):
     return out
 
 
-class _Gather(torch.autograd.Function):
+class Gather(torch.autograd.Function):
     """ZeRO-3's parameter: forward all-gathers the full weight from the shards, backward reduce-scatters
     its gradient back to this rank's shard (averaged over ranks)."""
 
@@ -166,7 +166,7 @@ class Zero:
         self._hooks, self._gathered, self._regathered = [], {}, {}
         if stage == 2:
             for i, p in enumerate(self.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._reduce_now(i)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self.reduce_now(i)))
         if stage == 3:
             self._shard_weights(units)
 
@@ -190,19 +190,19 @@ class Zero:
             self.tracker.label(t, category)
 
     # ---- stages 0 to 2 -----------------------------------------------------------------------------------
-    def _reduce_now(self, i):
+    def reduce_now(self, i):
         """Stage 2, called as backward finishes parameter i's gradient: keep only this rank's shard of it."""
         p = self.params[i]
         self.grad_shards[i] = _reduce_scatter(p.grad, self.world).div_(self.world)
         self._label(self.grad_shards[i], "gradients")
         p.grad = None                                          # the full gradient is freed now
 
-    def _local_grad(self, i):
+    def local_grad(self, i):
         """This rank's averaged gradient of parameter i, as the optimizer needs it (fp32, master's shape)."""
         if self.stage == 2:
             g = self.grad_shards[i]                            # reduce-scattered during backward
         elif self.stage == 3:
-            g = self.local[i].grad                             # reduce-scattered by _Gather's backward
+            g = self.local[i].grad                             # reduce-scattered by Gather's backward
         else:
             g = self.params[i].grad
         if g is None:
@@ -217,7 +217,7 @@ class Zero:
     def step(self):
         """Average the gradients over ranks, update this rank's master shards, give the model the new weights."""
         for i, m in enumerate(self.master):
-            m.grad = self._local_grad(i)
+            m.grad = self.local_grad(i)
         self.opt.step()
         for i, m in enumerate(self.master):
             m.grad = None
@@ -255,14 +255,14 @@ class Zero:
             for mod, name, _ in owned:
                 del mod._parameters[name]
                 setattr(mod, name, None)
-            self._hooks.append(unit.register_forward_pre_hook(self._before_forward))
+            self._hooks.append(unit.register_forward_pre_hook(self.before_forward))
             self._hooks.append(unit.register_forward_hook(self._after_forward, always_call=True))
         self.params = []                                      # nothing full is kept between steps
 
-    def _before_forward(self, unit, args):
+    def before_forward(self, unit, args):
         for mod, name, i in self.owners[unit]:
-            setattr(mod, name, _Gather.apply(self.local[i], self, i))
-        unit._zero_saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            setattr(mod, name, Gather.apply(self.local[i], self, i))
+        unit._zero_saved = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         unit._zero_saved.__enter__()
 
     def _after_forward(self, unit, args, out):
@@ -277,12 +277,12 @@ class Zero:
         if self.tracker is not None:
             self.tracker.mark("all-gather")
 
-    def _pack(self, t):
+    def pack(self, t):
         """A tensor saved for backward: a gathered weight (or a view of it) is replaced by a note."""
         i = self._gathered.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
         return t if i is None else _SavedWeight(i, t)
 
-    def _unpack(self, saved):
+    def unpack(self, saved):
         """In backward: gather the weight again (once per unit's backward) and rebuild the saved view."""
         if not isinstance(saved, _SavedWeight):
             return saved
@@ -293,3 +293,9 @@ class Zero:
             if self.tracker is not None:
                 self.tracker.mark("all-gather (backward)")
         return full.as_strided(saved.size, saved.stride, saved.offset)
+
+
+# The names these had before they were shown in notebook 10 (kept for callers of the old names).
+_Gather = Gather
+Zero._reduce_now, Zero._local_grad = Zero.reduce_now, Zero.local_grad
+Zero._before_forward, Zero._pack, Zero._unpack = Zero.before_forward, Zero.pack, Zero.unpack

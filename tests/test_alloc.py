@@ -122,15 +122,19 @@ def test_out_of_memory_path_frees_cached_segments_then_retries():
 
 
 def test_garbage_collection_threshold_frees_old_segments_before_the_limit():
-    """Phases of 12 MiB then 30 MiB tensors under a 500 MiB device (ALLOCATOR.md's synthetic case)."""
+    """Phases of 12 MiB then 30 MiB tensors under a 500 MiB limit (ALLOCATOR.md's synthetic case). GC runs only
+    under a memory fraction below 1.0 (set_memory_fraction sets no limit at 1.0): at 1.0 the threshold changes
+    nothing; at 0.999 it frees the first phase's segments before the limit, with no flush-and-retry."""
     trace, key = [], 0
     for size, n in ((12 * MiB, 36), (30 * MiB, 10)):
         for rep in range(3):
             keys = list(range(key, key + n))
             key += n
             trace += [(k, size) for k in keys] + [(k, -size) for k in keys]
-    plain = replay(trace, "", device=500 * MiB, fraction=1.0)
-    gc = replay(trace, "garbage_collection_threshold:0.5", device=500 * MiB, fraction=1.0)
+    at_one = replay(trace, "garbage_collection_threshold:0.5", device=500 * MiB, fraction=1.0)
+    plain = replay(trace, "", device=500 * MiB, fraction=0.999)
+    gc = replay(trace, "garbage_collection_threshold:0.5", device=500 * MiB, fraction=0.999)
+    assert at_one.allocator.gc_runs == 0 and at_one.peak_reserved == replay(trace, "", device=500 * MiB).peak_reserved
     assert plain.ok and gc.ok
     assert plain.retries >= 1 and gc.retries == 0
     assert gc.peak_reserved < plain.peak_reserved

@@ -175,7 +175,7 @@ def test_config_json_path(tmp_path):
 def test_bad_config():
     with pytest.raises(TypeError, match="config must be"):
         lk.estimate(42)
-    with pytest.raises(ValueError, match="name must be one of"):
+    with pytest.raises(ValueError, match="config 'llama-9-1t' is neither a preset, a family nor an existing path"):
         lk.estimate("llama-9-1t")
 
 

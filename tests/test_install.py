@@ -7,7 +7,8 @@ import sys
 import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = ["pyproject.toml", "README.md", "labkit", "data/corpus.txt", "data/tokenizer.json", "data/build_corpus.py"]
+SOURCES = ["pyproject.toml", "README.md", "labkit", "data/corpus.txt", "data/tokenizer.json", "data/build_corpus.py",
+           "data/gpu/README.md"]
 
 
 def test_wheel_installs_and_runs(tmp_path):
@@ -25,7 +26,7 @@ def test_wheel_installs_and_runs(tmp_path):
     wheel = next((tmp_path / "dist").glob("labkit-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"labkit/scripts/tensor_parallel.py", "labkit/scripts/pipeline_parallel.py", "labkit/lock.txt",
-            "labkit/_data/corpus.txt", "labkit/_data/tokenizer.json"} <= names, sorted(names)
+            "labkit/_data/corpus.txt", "labkit/_data/tokenizer.json", "labkit/_data/gpu/README.md"} <= names, sorted(names)
 
     # Install without dependencies next to this environment's packages, and run it from elsewhere:
     # the installed copy comes first on sys.path, ahead of the editable one.
@@ -50,3 +51,67 @@ print("ok", lk.data.DATA_DIR, result["world"])
     done = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout.splitlines()[-1].startswith("ok"), done.stdout + done.stderr[-3000:]
+
+
+def make_dry(*args):
+    """What `make -n ARGS` would run (nothing is run), from the repository root."""
+    done = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_make_lab_opens_the_student_build_and_the_answer_key_is_one_command_away():
+    student = make_dry("lab")                         # the build is brought in step unless KEY is set
+    assert '[ -n "" ]' in student and "else .venv/bin/python -m labkit.cli student --in-step" in student
+    assert "--ServerApp.root_dir=build/student" in student
+    key = make_dry("lab", "KEY=1")
+    assert '[ -n "1" ]' in key and "--ServerApp.root_dir=notebooks" in key
+
+
+def test_cpu_only_torch_is_one_variable_away():
+    """make env TORCH_INDEX=...: torch (only torch) from that index; the default is the registry alone."""
+    cpu = make_dry("-W", "pyproject.toml", "env", "TORCH_INDEX=https://download.pytorch.org/whl/cpu")
+    torch_line = next(l for l in cpu.splitlines() if l.rstrip().endswith("torch==2.13.0"))
+    assert "--index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple" in torch_line
+    assert "index-url" not in next(l for l in cpu.splitlines() if "-e '.[all]'" in l)
+    default = make_dry("-W", "pyproject.toml", "env")
+    assert "index-url" not in default
+
+
+def test_gpu_targets_run_an_uninstalled_labkit_with_any_python():
+    """make test-gpu PYTHON=python3 on a machine whose Python has a CUDA torch: nothing installed, labkit
+    from this folder on PYTHONPATH (nbval's kernels, started in notebooks/, inherit it), their own Python."""
+    for target in ("test-gpu", "gpu-smoke"):
+        dry = make_dry(target, "PYTHON=python3")
+        assert f"PYTHONPATH={ROOT}" in dry and "pip install" not in dry, dry
+    assert "--nbval-current-env" in make_dry("test-gpu", "PYTHON=python3")
+    assert "-m labkit.scripts.gpu_smoke" in make_dry("gpu-smoke")
+
+
+def test_gpu_targets_say_what_is_missing_not_that_a_gpu_is(tmp_path):
+    done = subprocess.run(["make", "test-gpu", f"PYTHON={tmp_path / 'no-venv' / 'python'}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "does not exist: run 'make env' first" in done.stdout, done.stdout + done.stderr
+    assert "needs a CUDA GPU" not in done.stdout
+    # A Python without torch (the interpreter this venv was made from, when it has none).
+    base = pathlib.Path(sys.base_prefix) / "bin" / "python3"
+    probe = subprocess.run([base, "-c", "import importlib.util as u; print(u.find_spec('torch') is None)"],
+                           capture_output=True, text=True)
+    if base.exists() and probe.stdout.strip() == "True":
+        done = subprocess.run([base, ROOT / "labkit" / "scripts" / "check_python.py", "test-gpu"],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "has no torch: run 'make env' first" in done.stdout, done.stdout + done.stderr
+
+
+def test_check_python_on_this_machine():
+    """Here (a venv that make built): everything is installed, so only a missing CUDA GPU stops test-gpu."""
+    import torch
+    done = subprocess.run([sys.executable, ROOT / "labkit" / "scripts" / "check_python.py", "test-gpu"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if torch.cuda.is_available():
+        assert done.returncode == 0, done.stdout
+    else:
+        assert done.returncode == 2 and "needs a CUDA GPU" in done.stdout and "CPU-only build" in done.stdout, done.stdout
+    gpu_smoke = subprocess.run([sys.executable, ROOT / "labkit" / "scripts" / "check_python.py", "gpu-smoke"],
+                               capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert gpu_smoke.returncode == 0, gpu_smoke.stdout               # gpu_smoke itself says "no CUDA" and exits 2

@@ -110,3 +110,32 @@ def test_bad_input():
         prof.top("bytes")
     with pytest.raises(ValueError, match="needs the Python frames"):
         prof.sources("aten::sum")
+
+
+def test_timeline_on_a_gpu_keeps_events_on_cuda_0():
+    """Profile.device is "cuda", but the profiler records CUDA allocations on "cuda:0" and torch's
+    `_coalesce_timeline` compares devices exactly: given "cuda" it kept nothing (issue 25, item 9).
+    Built from the timeline's own inputs, so it runs without a GPU."""
+    from torch.profiler._memory_profiler import Action, Category, MemoryProfileTimeline, TensorKey, _Storage
+
+    def key(i, device):
+        return TensorKey(torch.device(device), i, _Storage(ptr=4096 * i, allocation_id=i))
+
+    class Categories:
+        def get(self, key, version):
+            return {1: Category.PARAMETER, 2: Category.ACTIVATION}.get(key.id)
+
+    timeline = MemoryProfileTimeline.__new__(MemoryProfileTimeline)   # its two fields, set directly
+    timeline.categories = Categories()
+    timeline.timeline = [(1_000, Action.CREATE, (key(1, "cuda:0"), 0), 512),
+                         (2_000, Action.CREATE, (key(2, "cuda:0"), 0), 1024),
+                         (2_500, Action.CREATE, (key(3, "cpu"), 0), 64),        # another device: not counted
+                         (3_000, Action.DESTROY, (key(2, "cuda:0"), 0), 1024)]
+    assert timeline._coalesce_timeline("cuda") == ([], [])             # what the old code got
+    times, sizes = profiling._coalesce(timeline, "cuda")
+    assert times == [1, 2, 3]                                          # microseconds
+    totals = [sum(row) for row in sizes]
+    assert totals == [512, 512 + 1024, 512]
+    assert profiling._timeline_device({torch.device("cuda:0"), torch.device("cpu")}, "cuda") == torch.device("cuda:0")
+    assert profiling._timeline_device({torch.device("cuda:0"), torch.device("cuda:1")}, "cuda:1") == torch.device("cuda:1")
+    assert profiling._timeline_device({torch.device("cpu")}, "cpu") == torch.device("cpu")

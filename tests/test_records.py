@@ -1,4 +1,5 @@
 import json
+import pathlib
 from fractions import Fraction
 
 import numpy as np
@@ -56,3 +57,77 @@ def test_bad_figures_name_the_figure(where):
         lk.record("99_test", v=[1, 2])
     with pytest.raises(ValueError, match="notebook must be a name like"):
         lk.record("notebook", a=1)
+
+
+# GPU records: data/gpu/<gpu>.jsonl, one line per check and run of `make gpu-smoke`.
+
+def _gpu_line(check, date, gpu="NVIDIA H200", **figures):
+    return json.dumps({"gpu": gpu, "date": date, "check": check, "torch": "2.11.0+cu128", **figures}) + "\n"
+
+
+def test_gpu_figures_returns_one_checks_records_oldest_first(tmp_path):
+    (tmp_path / "NVIDIA_H200.jsonl").write_text(
+        _gpu_line("flash", "2026-12-02T10:00:00Z", status="ok", fwd_tflops=412.5)
+        + _gpu_line("tf32", "2026-12-02T10:01:00Z", status="ok", tf32_ratio=6.1)
+        + "\n"
+        + _gpu_line("flash", "2026-12-01T09:00:00Z", status="ok", fwd_tflops=400.0))
+    (tmp_path / "NVIDIA_L4.jsonl").write_text(
+        _gpu_line("flash", "2026-12-03T08:00:00Z", gpu="NVIDIA L4", status="failed", error="RuntimeError: x"))
+    recs = records.gpu_figures("flash", folder=tmp_path)
+    assert [r["fwd_tflops"] for r in recs] == [400.0, 412.5]          # the failed L4 run is left out
+    assert all({"gpu", "date", "check", "torch"} <= set(r) for r in recs)
+    every = records.gpu_figures("flash", folder=tmp_path, failed=True)
+    assert [r["gpu"] for r in every] == ["NVIDIA H200", "NVIDIA H200", "NVIDIA L4"]
+
+
+def test_show_gpu_labels_each_figure_with_the_gpu_and_the_date(tmp_path, capsys):
+    (tmp_path / "NVIDIA_H200.jsonl").write_text(
+        _gpu_line("flash", "2026-12-02T10:00:00Z", status="ok", seconds=3.2, fwd_tflops=412.5, peak_bytes=2**30))
+    recs = records.show_gpu("flash", folder=tmp_path)
+    out = capsys.readouterr().out
+    assert out == "NVIDIA H200, 2026-12-02 (torch 2.11.0+cu128), flash: fwd_tflops 412.5, peak_bytes 1.00 GiB\n"
+    assert recs[0]["fwd_tflops"] == 412.5
+    records.show_gpu("flash", ["peak_bytes", "fwd_tflops"], folder=tmp_path)    # chosen figures, in that order
+    assert capsys.readouterr().out == ("NVIDIA H200, 2026-12-02 (torch 2.11.0+cu128), flash: peak_bytes 1.00 GiB, "
+                                       "fwd_tflops 412.5\n")
+    with pytest.raises(TypeError, match="keys must be a list of figure names"):
+        records.show_gpu("flash", "peak_bytes", folder=tmp_path)
+
+
+def test_show_gpu_says_in_one_line_that_no_record_exists_yet(tmp_path, capsys):
+    assert records.show_gpu("tf32", folder=tmp_path / "absent") == []
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "No GPU record of the check 'tf32'" in out and "make gpu-smoke" in out
+
+
+def test_gpu_check_names_are_validated_before_any_file_is_read(tmp_path):
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    with pytest.raises(ValueError, match="check must be one of test_gpu, allocator, flash.*got 'flsh'"):
+        records.gpu_figures("flsh", folder=tmp_path)
+    with pytest.raises(ValueError, match="got ''"):
+        records.show_gpu("", folder=tmp_path)
+    with pytest.raises(TypeError, match="check must be the name of a GPU check"):
+        records.gpu_figures(None, folder=tmp_path)
+
+
+def test_a_broken_gpu_record_names_its_file_and_line(tmp_path):
+    (tmp_path / "x.jsonl").write_text(_gpu_line("flash", "2026-12-02T10:00:00Z") + '{"gpu": "A"\n')
+    with pytest.raises(ValueError, match=r"x.jsonl:2 is not a JSON line"):
+        records.gpu_figures("flash", folder=tmp_path)
+    (tmp_path / "x.jsonl").write_text('{"gpu": "A", "check": "flash"}\n')
+    with pytest.raises(ValueError, match=r"x.jsonl:1 is not a GPU record: it lacks date, torch"):
+        records.gpu_figures("flash", folder=tmp_path)
+
+
+def test_the_committed_gpu_records_are_readable_and_name_known_checks():
+    """Every line in data/gpu/ (what `make gpu-smoke` appended and was committed) parses and names a check."""
+    for path, number, rec in records._lines(records.GPU_DIR):
+        assert rec["check"] in records.GPU_CHECKS, f"{path}:{number} names an unknown check {rec['check']!r}"
+        assert rec.get("status", "ok") in {"ok", "failed", "skipped"}, f"{path}:{number}"
+
+
+def test_gpu_records_are_found_in_a_checkout():
+    import labkit
+    root = pathlib.Path(labkit.__file__).resolve().parent.parent
+    if (root / "data" / "corpus.txt").exists():                 # a checkout, not an installed wheel
+        assert records.GPU_DIR == root / "data" / "gpu"

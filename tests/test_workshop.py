@@ -291,3 +291,39 @@ def test_forbid_covers_an_aten_operator_by_every_route(route):
                 calls[route](scale, growth, torch.zeros(1), 2.0, 0.5, 2000)
     with lk.exercise(1, "other operators still run", forbid=[torch._amp_update_scale_]):
         torch.ops.aten.add.Tensor(torch.ones(1), torch.ones(1))
+
+
+def test_forbidding_a_module_with_an_enum_does_not_forbid_object_itself(capsys):
+    """A module walk takes what the module defines: an Enum there holds object.__new__, which is no one's answer."""
+    import enum
+    import torch
+    import labkit as lk
+    with lk.exercise(1, "t", forbid=[torch.amp.grad_scaler]):
+        class Colour(enum.Enum):
+            RED = 1
+        assert Colour.RED.value == 1 and object() is not None
+    assert "Exercise 1: passed" in capsys.readouterr().out
+
+
+def test_an_execd_copy_of_the_taught_function_is_refused_too():
+    import inspect
+    import torch
+    import labkit as lk
+    from labkit import zero
+    scope = {"torch": torch, "shard_size": zero.shard_size, "_check_rank": getattr(zero, "_check_rank", None)}
+    exec(inspect.getsource(zero.shard), scope)               # a new code object with the same instructions
+    with pytest.raises(AssertionError, match="your answer calls labkit.zero.shard"):
+        with lk.exercise(1, "write shard", forbid=[zero.shard]):
+            scope["shard"](torch.arange(8.0), 0, 2)
+
+
+def test_an_answer_that_switches_off_the_watch_is_refused():
+    import sys
+    import torch
+    import labkit as lk
+    from labkit import zero
+    with pytest.raises(AssertionError, match="setprofile"):
+        with lk.exercise(1, "write shard", forbid=[zero]):
+            sys.setprofile(None)
+            zero.shard(torch.arange(8.0), 0, 2)
+    assert sys.getprofile() is None

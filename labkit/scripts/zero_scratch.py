@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import labkit as lk
 from labkit import zero
-from labkit.parallel import finish, init, progress, write_result
+from labkit.parallel import finish, init, process_group_calls, progress, write_result
 
 GLOBAL_BATCH, SEQ, STEPS, LR = 4, 64, 3, 1e-3
 # fp32 on both sides; only the order of the sums differs (each rank sums half the batch, then the
@@ -120,7 +120,7 @@ def measure_stage(stage, build, data, quick):
             continue
         dist.barrier()
         zero.reset_comm()
-        with lk.track(model, engine.states()) as mem:       # what it holds is counted from the start
+        with lk.track(model, engine.states()) as mem, process_group_calls() as pg:   # held; sent, as gloo sees it
             engine.watch(mem)                              # ... under its category, also what it makes
             loss = loss_of(model, x, y, quick)
             mem.mark("backward")
@@ -131,7 +131,8 @@ def measure_stage(stage, build, data, quick):
         engine.watch(None)
     out = dict(stage=stage, rank=rank, params=params, padded_params=padded, embed_params=embed, tensors=len(engine.numel),
                at_rest=mem.at("after backward"), peak=mem.peak, peak_parts=mem.peak_parts,
-               comm=dict(zero.COMM), volume=zero.comm_volume())
+               comm=dict(zero.COMM), volume=zero.comm_volume(),
+               pg_comm=dict(pg), pg_volume=2 * pg["all_reduce"] + pg["reduce_scatter"] + pg["all_gather"])
     if stage == 3 and rank == 0:                           # the timeline from the block's start, with its all-gathers
         tl, start = mem.timeline, next(i for i, t in mem.marks if t == "start")
         out["timeline"] = {k: tl[k][start:].tolist() for k in ("parameters", "total")}

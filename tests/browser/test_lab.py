@@ -22,7 +22,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHOTS = ROOT / "build" / "browser"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# The browser: $CHROMIUM (make test-browser CHROMIUM=... passes it: the runner's Chrome on Ubuntu, whose `chromium`
+# is a snap stub), else the system's Chromium.
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 TOKEN = "labkit-browser-test"
@@ -31,7 +33,8 @@ RUN_TIMEOUT_S = 600
 
 playwright = pytest.importorskip("playwright.sync_api", reason="make test-browser installs playwright")
 if not os.path.exists(CHROMIUM):
-    pytest.skip("no system Chromium: `apt-get install -y chromium` (Debian), see README", allow_module_level=True)
+    pytest.skip(f"no browser at {CHROMIUM}: `apt-get install -y chromium` (Debian) or CHROMIUM=/path/to/chrome, see README",
+                allow_module_level=True)
 
 
 def makefile_value(name):

@@ -1,0 +1,202 @@
+"""Exercise checks refuse an answer that calls the code the exercise teaches (issue 27's bypasses, each tried).
+
+For every bypass below the notebook runs with the exercise's solution cell replaced by an answer that
+calls the taught code (imported, aliased, held in a default argument, reached through PyTorch's private
+kernels), up to that exercise's check cell; the check must fail with lk.exercise's "your answer calls
+...". Right after it, the same check runs once more with `forbid=` dropped: there the bypass must pass,
+so each one is a real answer that only the guard refuses (a bypass that fails for another reason would
+prove nothing). Cells after the last check are dropped to save time; one kernel per notebook.
+"""
+import pathlib
+import textwrap
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+NOTEBOOKS = {p.name[:2]: p for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+
+# (exercise id, what the refusal must name (any one of these), the answer that calls the taught code)
+BYPASSES = {
+    "00": [
+        ("00-ex1", ["labkit.estimate._storage_bytes"], """
+            from labkit.estimate import _storage_bytes
+
+            def storage_bytes(tensors, _count=_storage_bytes):
+                return _count(tensors)
+            """),
+        ("00-ex2", ["labkit.estimate"], """
+            def sgd_states_per_param():                     # a step, so the weights move, then the formula
+                sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+                ids = next(batches)
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                sgd.step()
+                sgd.zero_grad(set_to_none=True)
+                e = lk.estimate(model.config, batch=BATCH, seq=SEQ, dtype="fp32", optimizer="sgd")
+                return (e.parts["parameters"] + e.parts["gradients"] + e.parts["optimizer"]) / e.params
+            """),
+    ],
+    "02": [
+        ("02-ex1", ["_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_"], """
+            class LossScaler:
+                \"\"\"GradScaler's own kernels behind the exercise's interface.\"\"\"
+                def __init__(self, scale=2.0**16, growth=2.0, backoff=0.5, interval=2000):
+                    self._scale = torch.full((), scale, dtype=torch.float32)
+                    self._clean = torch.zeros((), dtype=torch.int32)
+                    self.growth, self.backoff, self.interval = growth, backoff, interval
+
+                @property
+                def scale(self):
+                    return self._scale.item()
+
+                def scale_loss(self, loss):
+                    return loss * self._scale.to(loss.device)
+
+                def step(self, optimizer):
+                    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+                    found = torch.zeros(1, device=grads[0].device)
+                    scale = self._scale.to(grads[0].device)
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale.double().reciprocal().float())
+                    stepped = found.item() == 0
+                    if stepped:
+                        optimizer.step()
+                    clean = self._clean.to(grads[0].device)
+                    torch._amp_update_scale_(scale, clean, found, self.growth, self.backoff, self.interval)
+                    self._scale, self._clean = scale.cpu(), clean.cpu()
+                    return stepped
+            """),
+    ],
+    "07": [
+        ("07-ex1", ["labkit.paged.block_hashes"], """
+            def my_block_hashes(token_ids, block_size, _lib=paged.block_hashes):
+                return _lib(token_ids, block_size)
+            """),
+        ("07-ex2", ["labkit.paged"], """
+            def admission(free_blocks, total_blocks, need, watermark_blocks):
+                tables = BlockTables(BlockAllocator(total_blocks, BLOCK), watermark=(watermark_blocks + 0.5) / total_blocks)
+                if total_blocks > free_blocks:
+                    tables.add("others", (total_blocks - free_blocks) * BLOCK)
+                return tables.can_allocate(need * BLOCK)
+            """),
+    ],
+    "08": [
+        ("08-ex1", ["labkit.flash"], """
+            def tiled_causal(q, k, v, block=64):
+                return flash.flash_attention(q, k, v, causal=True)
+            """),
+        ("08-ex2", ["labkit.flash.backward_torch"], """
+            def attention_backward(q, k, v, o, lse, do):
+                return flash.backward_torch(q, k, v, o, lse, do, False, 1 / math.sqrt(q.shape[-1]), 32, 32)
+            """),
+        ("08-ex3", ["labkit.flash.combine_splits"], """
+            from labkit.flash import combine_splits as combine_parts
+
+            def combine(o_parts, lse_parts):
+                return combine_parts(o_parts, lse_parts)[0]
+            """),
+    ],
+    "10": [
+        ("10-ex1", ["labkit.zero.shard"], """
+            from labkit.zero import shard
+
+            def my_reduce_scatter(grads, rank):
+                return shard(torch.stack(grads).mean(0), rank, len(grads))
+            """),
+        ("10-ex2", ["labkit.estimate.model_states"], """
+            from labkit.estimate import model_states as formula
+
+            def states_per_param(stage, n):
+                return sum(formula(10**6 * n, dp=n, zero=stage).values()) / (10**6 * n)
+            """),
+    ],
+    "12": [
+        ("12-ex1", ["labkit.kernels.grouped_pid"], """
+            def my_program_of(pid_m, pid_n, num_pid_m, num_pid_n, group_m):
+                return next(p for p in range(num_pid_m * num_pid_n)
+                            if kernels.grouped_pid(p, num_pid_m, num_pid_n, group_m) == (pid_m, pid_n))
+            """),
+        ("12-ex2", ["labkit.kernels.chunked_lse_and_target"], """
+            from labkit.kernels import chunked_lse_and_target
+
+            def chunked_ce_forward(hidden, weight, targets, chunk):
+                lse, target_logit = chunked_lse_and_target(hidden, weight, targets, chunk=chunk)
+                return lse - target_logit
+            """),
+    ],
+}
+
+UNGUARDED = '''\
+import contextlib as _contextlib
+import labkit as _labkit
+
+@_contextlib.contextmanager
+def _unguarded(number, task, forbid=()):        # the same check, its forbid= dropped
+    with _labkit.exercise(number, task):
+        yield
+'''
+
+
+def _cell_index(nb, grade_id):
+    found = [i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id]
+    assert len(found) == 1, f"expected one cell with nbgrader grade_id {grade_id!r}, found {len(found)}"
+    return found[0]
+
+
+def _at(nb, cell):
+    return next(i for i, c in enumerate(nb.cells) if c is cell)
+
+
+def _text(cell):
+    parts = []
+    for o in cell.get("outputs", []):
+        if o.output_type == "stream":
+            parts.append(o.text)
+        elif o.output_type == "error":
+            parts.append(f"{o.ename}: {o.evalue}")
+        elif "text/plain" in o.get("data", {}):
+            parts.append(o.data["text/plain"])
+    return "".join(parts)
+
+
+def _prepared(path):
+    """The notebook with every bypass in place, a check without forbid= after each check, cut after the last."""
+    nb = nbformat.read(path, as_version=4)
+    checks = []                 # (check cell, its index, control cell, exercise number, names the refusal may give)
+    for exercise, names, source in BYPASSES[path.name[:2]]:
+        solution = nb.cells[_cell_index(nb, f"{exercise}-solution")]
+        check = nb.cells[_cell_index(nb, f"{exercise}-check")]
+        solution.source = textwrap.dedent(source).strip()
+        assert "lk.exercise(" in check.source, f"{path.name} {exercise}-check does not call lk.exercise"
+        control = nbformat.v4.new_code_cell(UNGUARDED + check.source.replace("lk.exercise(", "_unguarded("))
+        for cell in (check, control):                   # nbclient: these may raise; the test reads their outputs
+            cell.metadata.setdefault("tags", []).append("raises-exception")
+        checks.append((check, _at(nb, check), control, int(exercise.split("ex")[1]), names))
+    for check, _, control, _, _ in checks:
+        nb.cells.insert(_at(nb, check) + 1, control)
+    last = max(_at(nb, control) for _, _, control, _, _ in checks)
+    del nb.cells[last + 1:]
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    return nb, checks
+
+
+@pytest.mark.parametrize("number", sorted(BYPASSES))
+def test_every_exercise_check_refuses_an_answer_that_calls_the_taught_code(number):
+    path = NOTEBOOKS[number]
+    nb, checks = _prepared(path)
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()   # any other cell's error raises
+    for check, index, control, n, names in checks:
+        where = f"{path.name} cell [{index}] ({check.metadata['nbgrader']['grade_id']})"
+        refused, unguarded = _text(check), _text(control)
+        assert f"Exercise {n}: passed" in unguarded, (
+            f"{where}: the bypass does not answer the exercise even without forbid=, so it proves nothing "
+            f"(update the bypass to the notebook's check):\n{unguarded[-2000:]}")
+        errors = [o for o in check.outputs if o.output_type == "error"]
+        assert errors, f"{where}: the check ACCEPTED an answer that calls the taught code:\n{refused[-2000:]}"
+        error = errors[0]
+        assert error.ename == "AssertionError" and "your answer calls" in error.evalue, (
+            f"{where}: the check failed, but not by refusing the call:\n{refused[-2000:]}")
+        assert any(name in error.evalue for name in names), f"{where}: refused naming another call: {error.evalue}"

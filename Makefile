@@ -90,8 +90,10 @@ check-resolution: env
 
 # Each cell may run 300 s at tiny size, 900 s at full (labkit workbook --cell-timeout): a notebook that hangs
 # fails, and the next one runs.
+# make workbook NOTEBOOKS="05 10": only those (the page keeps the others' last results).
+NOTEBOOKS ?=
 workbook: env
-	HF_HUB_OFFLINE=1 $(PYTHON) -m labkit.cli workbook
+	HF_HUB_OFFLINE=1 $(PYTHON) -m labkit.cli workbook $(if $(NOTEBOOKS),--notebooks $(NOTEBOOKS))
 
 student: env
 	$(PYTHON) -m labkit.cli student

@@ -3,28 +3,30 @@ from . import data, models, paged, plot
 from .bench import Result, Table, compare, measure
 from .device import device, has, report, size
 from .exercise import exercise, nontrivial, reveal
-from .estimate import Estimate, estimate, kv_cache_bytes, param_count
+from .estimate import Estimate, Parallel, estimate, kv_cache_bytes, param_count
 from .guard import budget, free, oom_guard, requires
 from .memory import CATEGORIES, track
+from .plan import plan
 from .records import record
+from .show import show
 from .units import GiB, KiB, MiB, fmt_bytes, parse_bytes
 
 __all__ = [
     "data", "models", "paged", "plot", "widgets",
     "device", "size", "has", "report",
     "track", "CATEGORIES",
-    "estimate", "Estimate", "param_count", "kv_cache_bytes",
+    "estimate", "Estimate", "Parallel", "param_count", "kv_cache_bytes", "plan",
     "oom_guard", "budget", "free", "requires",
     "measure", "compare", "Result", "Table",
     "exercise", "nontrivial", "reveal",
-    "record", "parse_bytes", "fmt_bytes", "KiB", "MiB", "GiB",
+    "record", "show", "parse_bytes", "fmt_bytes", "KiB", "MiB", "GiB",
 ]
 
 
 # Imported on first use (`lk.alloc`, `lk.widgets`, ...): heavy or optional dependencies, and modules that
 # only some notebooks need.
 LAZY = {"widgets", "alloc", "leaks", "offload", "zero", "engines", "kernels", "profiling", "flash", "parallel",
-        "course"}
+        "course", "launch", "collectives", "workbook"}
 
 
 def __getattr__(name):

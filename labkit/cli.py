@@ -7,8 +7,9 @@ import pathlib
 import re
 
 from .course import agenda, fill_agendas, instructor, strip_solutions, student
+from .units import fmt_figure as _figure  # noqa: F401  (the old name)
 
-__all__ = ["main", "readiness", "notebook_meta", "strip_solutions", "index_html", "read_lock", "lock_lines",
+__all__ = ["main", "readiness", "notebook_meta", "strip_solutions", "workbook", "read_lock", "lock_lines",
            "lock_differences", "affects", "platform_notes"]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -271,86 +272,10 @@ def doctor(lock=LOCK, system=None):
     return status
 
 
-def _figure(key, value):
-    from .units import fmt_bytes
-    if isinstance(value, str):
-        return value
-    if key.endswith("_bytes"):
-        return fmt_bytes(value)
-    if key.endswith("_s"):
-        return f"{value:.3g} s"
-    if key.endswith("_ratio"):
-        return f"{value:.3g}x"
-    if key.endswith("_gap"):
-        return f"{value:+.2%}"
-    if key.endswith("_share"):
-        return f"{value:.1%}"
-    return f"{value:.4g}" if isinstance(value, float) else f"{value:,}"
-
-
-def index_html(records, executed):
-    """The workbook's index page: each notebook, its status and the figures it recorded."""
-    import html
-    rows = []
-    for name, status in executed.items():
-        rec = records.get(pathlib.Path(name).stem, {})
-        figs = "<br>".join(f"{html.escape(k)}: {html.escape(_figure(k, v))}" for k, v in rec.get("figures", {}).items())
-        where = html.escape(f"{rec.get('size', '')} on {rec.get('device', '')}") if rec else ""
-        link = f'<a href="{html.escape(pathlib.Path(name).stem)}.html">{html.escape(name)}</a>'
-        rows.append(f"<tr><td>{link}</td><td>{html.escape(status)}</td><td>{where}</td><td>{figs}</td></tr>")
-    return ("<!doctype html><meta charset=utf-8><title>GPU Memory Lab</title>"
-            "<style>body{font-family:sans-serif;margin:2em}td,th{border-bottom:1px solid #ccc;padding:.4em;"
-            "vertical-align:top;text-align:left}</style><h1>GPU Memory Lab: the workbook, executed</h1>"
-            "<table><tr><th>notebook</th><th>status</th><th>where</th><th>headline figures</th></tr>"
-            + "".join(rows) + "</table>")
-
-
-# A cell that runs longer than this fails its notebook, and the workbook goes on to the next one
-# (as nbval's --nbval-cell-timeout does for `make test` and `make test-gpu`).
-CELL_TIMEOUT_S = {"tiny": 300, "full": 900}
-
-
-def workbook(folder=NOTEBOOKS, build=BUILD, cell_timeout=None):
-    """Execute every notebook at the detected size into build/executed/, HTML into build/html/.
-
-    Each cell may run `cell_timeout` seconds (default CELL_TIMEOUT_S for the size); a notebook whose
-    cell runs longer, or whose kernel dies, is marked FAILED, its kernel shut down, and the next one runs.
-    """
-    import time
-    import nbformat
-    from nbclient import NotebookClient
-    from nbconvert import HTMLExporter
-    from .device import size
-    from .records import RECORDS_DIR
-    executed_dir, html_dir = pathlib.Path(build) / "executed", pathlib.Path(build) / "html"
-    executed_dir.mkdir(parents=True, exist_ok=True)
-    html_dir.mkdir(parents=True, exist_ok=True)
-    if cell_timeout is None:
-        cell_timeout = CELL_TIMEOUT_S[size()]
-    if isinstance(cell_timeout, bool) or not isinstance(cell_timeout, int) or cell_timeout <= 0:
-        raise ValueError(f"cell_timeout must be a positive number of seconds, got {cell_timeout!r}")
-    status = {}
-    paths = sorted(pathlib.Path(folder).glob("[0-9][0-9]_*.ipynb"))
-    for i, path in enumerate(paths, 1):
-        print(f"[{i}/{len(paths)}] {path.name} at size {size()} ...", flush=True)
-        nb = nbformat.read(path, as_version=4)
-        t0 = time.time()
-        try:
-            NotebookClient(nb, timeout=cell_timeout, startup_timeout=120, shutdown_kernel="immediate",
-                           resources={"metadata": {"path": str(path.parent)}}).execute()
-            status[path.name] = f"ok in {time.time() - t0:.0f} s"
-        except Exception as e:                       # keep going: the index says which one failed
-            timed_out = type(e).__name__ == "CellTimeoutError"
-            status[path.name] = (f"FAILED after {time.time() - t0:.0f} s: "
-                                 + (f"a cell ran past {cell_timeout} s" if timed_out else type(e).__name__))
-        print(f"    {status[path.name]}", flush=True)
-        nbformat.write(nb, executed_dir / path.name)
-        body, _ = HTMLExporter().from_notebook_node(nb)
-        (html_dir / f"{path.stem}.html").write_text(body, encoding="utf-8")
-    records = {p.stem: json.loads(p.read_text()) for p in RECORDS_DIR.glob("*.json")}
-    (html_dir / "index.html").write_text(index_html(records, status), encoding="utf-8")
-    print(f"open {html_dir / 'index.html'}")
-    return 0 if all(v.startswith("ok") for v in status.values()) else 1
+def workbook(folder=NOTEBOOKS, build=BUILD, cell_timeout=None, notebooks=None):
+    """Execute the notebooks and write build/html/index.html (labkit.workbook.run)."""
+    from .workbook import run
+    return run(notebooks, folder, build, cell_timeout)
 
 
 def student_in_step(folder=NOTEBOOKS, dest=BUILD / "student"):
@@ -397,7 +322,9 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     doc = sub.add_parser("doctor", help="the environment, its versions against the lock, which notebooks run here")
     doc.add_argument("--lock", type=pathlib.Path, default=LOCK, help="the lock to compare with (default: %(default)s)")
-    wb = sub.add_parser("workbook", help="execute every notebook into build/executed and build/html")
+    wb = sub.add_parser("workbook", help="execute the notebooks into build/executed, the page into build/html/index.html")
+    wb.add_argument("--notebooks", nargs="*", default=None, metavar="NN",
+                    help="only these notebooks, by number or name (default: all), e.g. --notebooks 05 10")
     wb.add_argument("--cell-timeout", type=int, default=None, metavar="SECONDS",
                     help="fail a notebook whose cell runs longer (default: 300 at tiny size, 900 at full)")
     st = sub.add_parser("student", help="notebooks without solutions, into build/student")
@@ -420,11 +347,31 @@ def main(argv=None):
     est.add_argument("--recompute", action="store_true", help="full activation recomputation")
     est.add_argument("--kv-tokens", type=int, default=None, help="inference: tokens in the KV cache (default: seq)")
     est.add_argument("--size", default="full", choices=["tiny", "full"])
+    pl = sub.add_parser("plan", help="the levers of notebooks 01-12 combined for a model, a task and a GPU, ranked")
+    pl.add_argument("model", help="a preset (e.g. llama-2-7b), a family or a path to a config.json")
+    pl.add_argument("--task", required=True, help="pretrain, finetune, lora, qlora or serve")
+    pl.add_argument("--gpu", required=True, help="a GPU of data/gpus.csv (e.g. L4, H100) or a memory size ('24 GiB')")
+    pl.add_argument("--gpus", type=int, default=1)
+    pl.add_argument("--seq", type=int, default=2048, help="sequence length (serve: the context length)")
+    pl.add_argument("--batch", type=int, default=1, help="sequences per step (serve: concurrent sequences)")
+    pl.add_argument("--rows", type=int, default=10, help="rows of the table (default: %(default)s)")
+    pl.add_argument("--json", action="store_true", help="every plan as a JSON list")
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        from .plan import plan
+        try:
+            plans = plan(args.model, args.task, args.gpu, gpus=args.gpus, seq=args.seq, batch=args.batch)
+        except ValueError as err:
+            parser.error(str(err))
+        print(plans.to_json() if args.json else plans.table(args.rows))
+        return 0
     if args.command == "doctor":
         return doctor(args.lock)
     if args.command == "workbook":
-        return workbook(cell_timeout=args.cell_timeout)
+        try:
+            return workbook(cell_timeout=args.cell_timeout, notebooks=args.notebooks)
+        except ValueError as err:
+            parser.error(str(err))
     if args.command == "student" and args.in_step:
         written = student_in_step()
         print(f"build/student: {len(written)} notebook(s) brought in step with notebooks/" if written

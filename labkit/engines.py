@@ -9,19 +9,32 @@ Why a subprocess per engine: each one's memory is then its own. The process's re
 is read after the model and the engine are loaded ("loaded"), its high-water mark is reset (Linux
 `/proc/self/clear_refs`), and after the timed runs the new high-water mark minus "loaded" is what
 running costs on top (`extra_peak_bytes`); what stays resident after the runs (`kept_bytes`) shows a
-memory arena that keeps its blocks (ONNX Runtime's `enable_cpu_mem_arena`). glibc's malloc is told to
-give every freed block above 64 KiB back to the system (`MALLOC_MMAP_THRESHOLD_`), so that what stays
-is what the engine keeps, not what malloc happens to cache; that costs page faults on every large
-allocation, so latencies are those of an engine without a caching malloc. One thread each, so
-that engines are compared on equal terms. Every engine reads the same input file and writes its output
-as a file; `compare()` checks them against eager's. ONNX Runtime runs the file that the caller
-exported (`export_onnx`): its process imports onnxruntime and NumPy, never PyTorch, as a server would.
+memory arena that keeps its blocks (ONNX Runtime's `enable_cpu_mem_arena`).
+
+The allocator under every engine: on a CPU, PyTorch has no caching allocator of its own (the CUDA
+caching allocator is for GPU memory): c10's CPU allocator asks the C library's `malloc` (glibc's
+`posix_memalign` on Linux) for each tensor and frees it when the tensor dies. glibc's malloc keeps
+freed pages in its heap for the next request, so RSS after the calls would show malloc's cache as
+well as the engine's. Before each RSS reading, the engine's process asks glibc to give back the free
+pages it keeps (`malloc_trim(0)`): "kept" is then what the engine itself holds, while the timed calls
+run with malloc as it is by default, the same for every engine. `malloc_mmap_threshold=65536` runs
+an engine with glibc's `MALLOC_MMAP_THRESHOLD_` set instead: every block above that many bytes gets
+a mapping of its own, unmapped the moment it is freed, so each large allocation costs fresh page
+faults (a way to see what malloc's cache saves an engine that allocates per call, such as eager).
+One thread each, so that engines are compared on equal terms. Every engine reads the same input file
+and writes its output as a file; `compare()` checks them against eager's. ONNX Runtime runs the file
+that the caller exported (`export_onnx`): its process imports onnxruntime and NumPy, never PyTorch,
+as a server would.
 
 Models (MODELS) are transformers' ResNet (`ResNetForImageClassification`, random weights): its default
 `ResNetConfig()` is ResNet-50 (bottleneck blocks, depths 3-4-6-3); "resnet-tiny" keeps the
 architecture with one block per stage and narrow channels, so that exporting and compiling fit a
 CPU's minute. (torchvision's resnet50 would be the usual source, but the PyPI torchvision wheel
 does not import beside the CPU-only torch that this workbook installs.)
+
+Two helpers of notebook 11 live here too, so that its cells stay short: `no_codegen_backend` (AOT
+autograd's partitioner without code generation, keeping the backward graphs to read) and
+`cuda_graph_decode` (a decode step recorded as a CUDA graph, timed against eager, with its pool).
 """
 from __future__ import annotations
 
@@ -34,11 +47,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 from .device import has
 
 __all__ = ["ENGINES", "MODELS", "EngineResult", "available", "build", "example_input", "export_onnx", "run",
-           "compare", "workdir", "TENSORRT_INSTALL"]
+           "compare", "workdir", "TENSORRT_INSTALL", "no_codegen_backend", "median_time_s", "cuda_graph_decode"]
 
 ENGINES = ("eager", "inductor", "aoti", "onnxruntime", "tensorrt")
 MODELS = {                      # ResNetConfig's defaults are ResNet-50's layers; ImageNet has 1000 classes
@@ -61,6 +75,10 @@ class EngineResult:
     loaded_bytes: int | None = None   # RSS with the model and the engine loaded, before any call
     extra_peak_bytes: int | None = None   # peak RSS during the calls, above loaded
     kept_bytes: int | None = None     # RSS after the calls, above loaded (what an arena keeps)
+    kept_file_bytes: int | None = None    # of kept: pages of files (libraries' code) the calls read in, not data
+    minor_faults: int | None = None   # page faults during the timed calls (pages the process touched anew)
+    malloc_trimmed: bool | None = None    # whether malloc gave back its free pages before each RSS reading
+    malloc_mmap_threshold: int | None = None   # MALLOC_MMAP_THRESHOLD_ of the process (None: glibc's default)
     artifact: str | None = None       # the exported file (.onnx, .pt2, TensorRT program), if any
     artifact_bytes: int | None = None     # its size
     output: str | None = None         # path of the saved output (.npy, fp32)
@@ -149,7 +167,7 @@ def workdir(prefix="labkit-engines-"):
     return path
 
 
-def _check(engine, model, device, repeat, fp16):
+def _check(engine, model, device, repeat, fp16, malloc_mmap_threshold=None):
     """The arguments of one run, checked before any work."""
     if not isinstance(engine, str) or engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -161,21 +179,27 @@ def _check(engine, model, device, repeat, fp16):
         raise ValueError(f"repeat must be a positive int, got {repeat!r}")
     if fp16 and engine == "onnxruntime":
         raise ValueError("fp16 is for the PyTorch engines and TensorRT; onnxruntime runs the fp32 export, got fp16=True")
+    if malloc_mmap_threshold is not None and (isinstance(malloc_mmap_threshold, bool)
+                                              or not isinstance(malloc_mmap_threshold, int) or malloc_mmap_threshold < 0):
+        raise ValueError(f"malloc_mmap_threshold must be None or a number of bytes >= 0, got {malloc_mmap_threshold!r}")
 
 
 def run(engine, model="resnet-tiny", batch=1, image=64, repeat=5, arena=True, device="cpu", fp16=False,
-        workdir=None, timeout=900):
+        workdir=None, timeout=900, malloc_mmap_threshold=None):
     """Run `model` through `engine` in a fresh Python process; returns an EngineResult.
 
     An engine that cannot run here (see `available`) returns at once with `skipped` saying why.
     arena: ONNX Runtime's CPU memory arena on or off (other engines ignore it).
     fp16: build the engine in half precision (TensorRT's `enabled_precisions`; GPU only).
+    malloc_mmap_threshold: None (glibc's malloc as it is by default), or bytes: the process runs with
+    `MALLOC_MMAP_THRESHOLD_` set to it, so every freed block above it leaves the process at once (and
+    every allocation above it pays fresh page faults; see the module docstring).
     workdir: where the input, exported files and outputs go, kept there (`lk.engines.workdir()` gives a folder
     of its own); an ONNX file already there for the same model and shape is reused, so arena on and off
     export once. Default: a temporary folder removed before `run` returns; the output is then in
     `result.values` and `output`/`artifact` are None (`artifact_bytes` says how large the file was).
     """
-    _check(engine, model, device, repeat, fp16)
+    _check(engine, model, device, repeat, fp16, malloc_mmap_threshold)
     pixels = example_input(batch, image)                  # checks batch and image
     ok, why = available(engine, device)
     if not ok:
@@ -183,15 +207,17 @@ def run(engine, model="resnet-tiny", batch=1, image=64, repeat=5, arena=True, de
     if workdir is None:
         tmp = pathlib.Path(tempfile.mkdtemp(prefix="labkit-engines-"))
         try:
-            result = _run(engine, model, batch, image, repeat, arena, device, fp16, tmp, timeout, pixels)
+            result = _run(engine, model, batch, image, repeat, arena, device, fp16, tmp, timeout, pixels,
+                          malloc_mmap_threshold)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         result.output = result.artifact = None
         return result
-    return _run(engine, model, batch, image, repeat, arena, device, fp16, pathlib.Path(workdir), timeout, pixels)
+    return _run(engine, model, batch, image, repeat, arena, device, fp16, pathlib.Path(workdir), timeout, pixels,
+                malloc_mmap_threshold)
 
 
-def _run(engine, model, batch, image, repeat, arena, device, fp16, workdir, timeout, pixels):
+def _run(engine, model, batch, image, repeat, arena, device, fp16, workdir, timeout, pixels, malloc_mmap_threshold):
     import numpy as np
     workdir.mkdir(parents=True, exist_ok=True)
     shape = f"{model}-b{batch}-i{image}"
@@ -199,28 +225,31 @@ def _run(engine, model, batch, image, repeat, arena, device, fp16, workdir, time
     export_s = 0.0
     if engine == "onnxruntime" and not (workdir / f"{shape}.onnx").exists():
         export_s = export_onnx(model, batch, image, workdir / f"{shape}.onnx")
-    tag = f"{engine}-{shape}-{device}{'-fp16' if fp16 else ''}{'' if arena else '-noarena'}"
+    tag = (f"{engine}-{shape}-{device}{'-fp16' if fp16 else ''}{'' if arena else '-noarena'}"
+           f"{'' if malloc_mmap_threshold is None else f'-mmap{malloc_mmap_threshold}'}")
     script = pathlib.Path(__file__).resolve().parent / "scripts" / "engine_run.py"   # a file, not `-m labkit...`:
     args = [sys.executable, str(script), "--engine", engine, "--model", model,         # importing labkit imports torch
             "--batch", str(batch), "--image", str(image), "--repeat", str(repeat), "--arena", str(int(arena)),
             "--device", device, "--fp16", str(int(fp16)), "--workdir", str(workdir), "--tag", tag]
-    # MALLOC_MMAP_THRESHOLD_: glibc serves every block above 64 KiB with its own mmap and unmaps it when freed,
-    # so memory an engine frees leaves the process and RSS shows what the engine holds (an arena's blocks);
-    # by default glibc keeps freed heap pages resident and raises its threshold as it goes: noise of MiBs.
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               MALLOC_MMAP_THRESHOLD_=str(64 * 1024))
+    # glibc's malloc as it is by default (the engine's process trims malloc's free pages before reading RSS);
+    # with malloc_mmap_threshold, MALLOC_MMAP_THRESHOLD_: every block above it is a mapping of its own,
+    # unmapped when freed. An inherited MALLOC_MMAP_THRESHOLD_ is dropped: every engine runs the same malloc.
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if malloc_mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(malloc_mmap_threshold)
     root = str(pathlib.Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"engine {engine!r} on {model!r} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    result = EngineResult(**json.loads((workdir / f"{tag}.json").read_text()))
+    result = EngineResult(**json.loads((workdir / f"{tag}.json").read_text()), malloc_mmap_threshold=malloc_mmap_threshold)
     result.build_s += export_s
     result.values = np.load(result.output) if result.output else None
     return result
 
 
-def compare(engines, rtol=1e-3, atol=1e-4, **kwargs):
+def compare(engines, rtol=1e-3, atol=1e-4, progress=False, **kwargs):
     """`run` each engine (names, or (name, {options}) pairs); every output is checked against eager's.
 
     Returns {label: EngineResult}; eager runs first (added if missing); `kwargs` go to every `run`.
@@ -231,6 +260,7 @@ def compare(engines, rtol=1e-3, atol=1e-4, **kwargs):
     eager's largest output (random weights give logits of any scale) it raises AssertionError.
     fp32 engines reorder sums (fused kernels, other convolution algorithms), hence the tolerance;
     pass a looser one for fp16.
+    progress: print a line as each engine's process starts and ends (a run takes seconds: import, build, calls).
     """
     import inspect
 
@@ -252,16 +282,23 @@ def compare(engines, rtol=1e-3, atol=1e-4, **kwargs):
         if unknown:
             raise TypeError(f"run() has no option {unknown[0]!r} (options: {sorted(allowed)})")
         o = {**kwargs, **opts}
-        _check(name, o.get("model", "resnet-tiny"), o.get("device", "cpu"), o.get("repeat", 5), o.get("fp16", False))
+        _check(name, o.get("model", "resnet-tiny"), o.get("device", "cpu"), o.get("repeat", 5), o.get("fp16", False),
+               o.get("malloc_mmap_threshold"))
     if not any(name == "eager" and not opts for name, opts in wanted):
         wanted.insert(0, ("eager", {}))
     own = kwargs.get("workdir") is None
     folder = pathlib.Path(tempfile.mkdtemp(prefix="labkit-engines-")) if own else None
     results = {}
     try:
-        for name, opts in wanted:
+        for n, (name, opts) in enumerate(wanted, 1):
             label = name + "".join(f" {k}={v}" for k, v in opts.items())
+            if progress:
+                print(f"[{n}/{len(wanted)}] {label}: starting its process ...", end=" ", flush=True)
+            start = time.perf_counter()
             results[label] = run(name, **{**kwargs, **opts, **({"workdir": folder} if own else {})})
+            if progress:
+                r = results[label]
+                print(f"done in {time.perf_counter() - start:.1f} s" if r.ran else f"skipped: {r.skipped}", flush=True)
     finally:
         if own:
             shutil.rmtree(folder, ignore_errors=True)
@@ -276,3 +313,68 @@ def compare(engines, rtol=1e-3, atol=1e-4, **kwargs):
             torch.testing.assert_close(got, reference, rtol=rtol, atol=atol * scale,
                                        msg=lambda m, label=label: f"{label} differs from eager: {m}")
     return results
+
+
+# ---- helpers of notebook 11 ------------------------------------------------------------------------------
+def no_codegen_backend(graphs, partition=None):
+    """A `torch.compile` backend: AOT autograd's joint graph split by `partition` (default: the min-cut
+    partitioner that Inductor uses), then every op of the forward and backward graphs run as the plain
+    PyTorch op it is (no code generation, no fusion: what the `aot_eager` backend does). Each backward
+    graph it makes is appended to the list `graphs` (a `torch.fx.Graph`), to read what the forward saved
+    for it: its inputs other than the weights (`primals_*`) and the incoming gradient (`tangents_*`)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    if partition is None:
+        partition = min_cut_rematerialization_partition
+
+    def forward_compiler(gm, example_inputs):
+        return make_boxed_func(gm.forward)      # the graph's ops, run one by one
+
+    def backward_compiler(gm, example_inputs):
+        graphs.append(gm.graph)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler, partition_fn=partition)
+
+
+def median_time_s(fn, repeat=20):
+    """Median wall time of `fn()` in seconds over `repeat` calls, each between two
+    `torch.cuda.synchronize()` (a launch returns before the GPU is done: CUDA graphs too)."""
+    import torch
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def cuda_graph_decode(model, repeat=20):
+    """One decode step of `model` (a causal LM on CUDA: one token in, logits out, no KV cache) recorded as a
+    CUDA graph by `torch.compile(model, mode="reduce-overhead")`, which sets Inductor's `triton.cudagraphs`.
+
+    Returns {"eager_s", "graph_s", "private_pool_bytes"}: the median step time eagerly (one launch per
+    kernel) and replayed (one launch for the graph), and the bytes of the allocator segments that the
+    recording owns: a private memory pool, any pool other than the default `(0, 0)`.
+    """
+    import torch
+    token = torch.zeros(1, 1, dtype=torch.long, device="cuda")      # a decode-sized step: one token
+    graphed = torch.compile(model, mode="reduce-overhead")
+
+    def eager_step():
+        with torch.no_grad():
+            return model(input_ids=token, use_cache=False).logits
+
+    def graph_step():
+        torch.compiler.cudagraph_mark_step_begin()     # a new step: the previous replay's outputs may be reused
+        with torch.no_grad():
+            return graphed(input_ids=token, use_cache=False).logits
+
+    for _ in range(3):                                 # warm-up runs, then the recording
+        graph_step()
+    segments = torch.cuda.memory._snapshot()["segments"]
+    private = sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) != (0, 0))
+    return {"eager_s": median_time_s(eager_step, repeat), "graph_s": median_time_s(graph_step, repeat),
+            "private_pool_bytes": private}

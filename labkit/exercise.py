@@ -62,6 +62,10 @@ def _functions(obj, seen):
             if getattr(value, "__module__", None) == obj.__name__ and (
                     inspect.isclass(value) or inspect.isfunction(value) or inspect.isbuiltin(value)):
                 yield from _functions(value, seen)     # (other callables there, e.g. instances, are data)
+        if hasattr(obj, "__path__"):                   # a package: its submodules' code too (labkit.memory)
+            for name, sub in list(sys.modules.items()):
+                if name.startswith(obj.__name__ + ".") and isinstance(sub, types.ModuleType):
+                    yield from _functions(sub, seen)
     elif inspect.isclass(obj):
         for value in list(vars(obj).values()):
             if isinstance(value, (staticmethod, classmethod)):
@@ -296,16 +300,20 @@ def _as_number(value, unit, name):
     return float(value)
 
 
-def reveal(what, predicted, estimated, measured, unit="bytes"):
+def reveal(what, predicted, estimated, measured, unit="bytes", measured_label="measured"):
     """Prints a prediction, an estimate and a measurement side by side; returns their gaps to the measurement.
 
     `predicted` is None until the learner makes one (then it says so), a number, or for bytes a string
-    such as "120 MiB". `estimated` may be None where there is no formula.
+    such as "120 MiB". `estimated` may be None where there is no formula. `measured_label` names the third
+    value where it is not a measurement of this machine (e.g. "modelled": a replay of a model); the gaps
+    keep the key "measured".
     """
     if not isinstance(what, str) or not what.strip():
         raise ValueError(f"what must name the figure, like 'peak memory of one training step', got {what!r}")
     if not isinstance(unit, str) or not unit.strip():
         raise ValueError(f"unit must be a non-empty string such as 'bytes' or 'ms', got {unit!r}")
+    if not isinstance(measured_label, str) or not measured_label.strip():
+        raise ValueError(f"measured_label must be a non-empty string such as 'modelled', got {measured_label!r}")
     measured_v = _as_number(measured, unit, "measured")
     if measured_v is None or measured_v <= 0:
         raise ValueError(f"measured must be a positive {unit}, got {measured!r}")
@@ -315,12 +323,12 @@ def reveal(what, predicted, estimated, measured, unit="bytes"):
     gaps = {}
     print(what)
     for label, v in values.items():
-        title = "your prediction" if label == "prediction" else label
+        title = {"prediction": "your prediction", "measured": measured_label}.get(label, label)
         if v is None:
             print(f"  {title:<16} " + ("- (not predicted: set the PREDICT_ value above and run again)"
                                        if label == "prediction" else "-"))
             continue
         gaps[label] = v / measured_v - 1
-        note = "" if label == "measured" else f"  ({v / measured_v - 1:+.0%} vs measured)"
+        note = "" if label == "measured" else f"  ({v / measured_v - 1:+.0%} vs {measured_label})"
         print(f"  {title:<16} {show(v):>12}{note}")
     return gaps

@@ -15,7 +15,10 @@ After Triton's tutorial 06-fused-attention and Dao 2023 (FlashAttention-2, Algor
 - decoding: `flash_decode` splits one query's keys into whole key blocks and combines the partial
   results through their log-sum-exps (`combine_splits`; flash-decoding, Dao et al. 2023 blog);
   `paged_attention` reads K/V through a block table (vLLM's PagedAttention, Kwon et al. 2023), the
-  tables of notebook 07 (`labkit.paged`).
+  tables of notebook 07 (`labkit.paged`);
+- IO complexity: `standard_attention_io` and `flash_attention_io` are the paper's Algorithms 0 and 1
+  (Dao et al. 2022) for one head, counting in an `HBMTraffic` every byte a block load or store moves
+  between HBM and SRAM (notebook 08 fits their exponents in N, d and M against Theorem 2).
 
 Two backends, one switch (the slow path beside the fast one, as nanoGPT keeps it): each public function
 takes `backend="auto" | "torch" | "triton"`; "auto" is "triton" where `lk.has("triton")`, else "torch".
@@ -36,7 +39,8 @@ import torch
 from .device import has
 
 __all__ = ["flash_attention", "flash_decode", "paged_attention", "combine_splits", "online_softmax_step",
-           "forward_torch", "backward_torch", "decode_torch", "paged_torch", "kernel_source", "BACKENDS"]
+           "forward_torch", "backward_torch", "decode_torch", "paged_torch", "kernel_source", "kernel_code",
+           "HBMTraffic", "standard_attention_io", "flash_attention_io", "BACKENDS"]
 
 BACKENDS = ("auto", "torch", "triton")
 HEAD_DIMS = (16, 32, 64, 128)      # powers of two that tl.arange and tl.dot accept
@@ -161,19 +165,111 @@ def _backend(backend):
     return dict(forward=ft.forward_triton, backward=ft.backward_triton, decode=ft.decode_triton, paged=ft.paged_triton)
 
 
-def kernel_source(name):
-    """The source of a Triton kernel of `labkit.flash_triton` as text, read from the file (no triton needed):
-    name is "forward", "backward_dkdv", "backward_dq", "decode" or "paged"."""
+KERNELS = dict(forward="flash_fwd_kernel", backward_dkdv="flash_bwd_dkdv_kernel", backward_dq="flash_bwd_dq_kernel",
+               decode="decode_split_kernel", paged="paged_decode_kernel", online_softmax="online_softmax")
+
+
+def _kernel_node(name):
+    """(path of flash_triton.py, the ast node of kernel `name`, the file's text): read, never imported."""
     import ast
     import pathlib
-    kernels = dict(forward="flash_fwd_kernel", backward_dkdv="flash_bwd_dkdv_kernel",
-                   backward_dq="flash_bwd_dq_kernel", decode="decode_split_kernel", paged="paged_decode_kernel")
-    if name not in kernels:
-        raise ValueError(f"name must be one of {sorted(kernels)}, got {name!r}")
-    text = (pathlib.Path(__file__).parent / "flash_triton.py").read_text()
-    node = next(n for n in ast.parse(text).body if getattr(n, "name", None) == kernels[name])
+    if name not in KERNELS:
+        raise ValueError(f"name must be one of {sorted(KERNELS)}, got {name!r}")
+    path = pathlib.Path(__file__).parent / "flash_triton.py"
+    text = path.read_text()
+    node = next(n for n in ast.parse(text).body if getattr(n, "name", None) == KERNELS[name])
+    return path, node, text
+
+
+def kernel_source(name):
+    """The source of a Triton kernel of `labkit.flash_triton` as text, read from the file (no triton needed):
+    name is one of KERNELS ("forward", "backward_dkdv", "backward_dq", "decode", "paged", "online_softmax")."""
+    _, node, text = _kernel_node(name)
     first = min([node.lineno] + [d.lineno for d in node.decorator_list])        # from its @triton.jit line
     return "\n".join(text.splitlines()[first - 1:node.end_lineno])
+
+
+def kernel_code(name):
+    """The Triton kernel `name` (see `kernel_source`) as a code object compiled from labkit/flash_triton.py,
+    never run, so `lk.show(flash.kernel_code("forward"))` shows its lines from that file on any machine,
+    with or without triton (where triton is installed, `lk.show(flash_triton.flash_fwd_kernel)` is the same)."""
+    import ast
+    path, node, _ = _kernel_node(name)
+    code = compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec", dont_inherit=True)
+    return next(c for c in code.co_consts if hasattr(c, "co_name") and c.co_name == KERNELS[name])
+
+
+# ---------------------------------------------------------------- HBM traffic, counted where blocks move
+class HBMTraffic:
+    """Bytes moved between HBM (a GPU's main memory) and on-chip SRAM, counted where an algorithm loads a
+    block of an array or stores one: `reads[name]`, `writes[name]` (bytes by array), `total`.
+
+    `load(name, block)` and `store(name, block)` return the block itself: they only count its bytes."""
+
+    def __init__(self):
+        self.reads, self.writes = {}, {}
+
+    def load(self, name, block):
+        self.reads[name] = self.reads.get(name, 0) + block.numel() * block.element_size()
+        return block
+
+    def store(self, name, block):
+        self.writes[name] = self.writes.get(name, 0) + block.numel() * block.element_size()
+        return block
+
+    @property
+    def total(self):
+        return sum(self.reads.values()) + sum(self.writes.values())
+
+    def __repr__(self):
+        return f"HBMTraffic(reads={self.reads}, writes={self.writes}, total={self.total})"
+
+
+def _check_io(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):       # meta tensors are welcome: the bytes need only shapes
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or 0 in t.shape:
+            raise ValueError(f"{name} must be a non-empty (N, d) tensor, one head, got {getattr(t, 'shape', t)!r}")
+    if not q.shape == k.shape == v.shape:
+        raise ValueError(f"q, k, v must share one (N, d) shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+
+
+def standard_attention_io(q, k, v, traffic):
+    """softmax(q k^T / sqrt(d)) v for one head's q, k, v (N, d) as standard attention runs it (Dao et al.
+    2022, Algorithm 0): three kernels, each reading its inputs from HBM and writing its result back,
+    S = QK^T (N x N), P = softmax(S) (N x N), O = PV. Every load and store is counted in `traffic`
+    (on meta tensors only the counts are computed: the bytes depend on shapes alone)."""
+    _check_io(q, k, v)
+    s = traffic.store("S", (traffic.load("Q", q) @ traffic.load("K", k).T) / math.sqrt(q.shape[1]))
+    p = traffic.store("P", torch.softmax(traffic.load("S", s), dim=-1))
+    return traffic.store("O", traffic.load("P", p) @ traffic.load("V", v))
+
+
+def flash_attention_io(q, k, v, sram, traffic):
+    """FlashAttention's forward as Dao et al. 2022 write it (Algorithm 1) for one head's q, k, v (N, d) on
+    a chip with `sram` elements of SRAM (d <= sram <= N d): key/value blocks of B_c = ceil(sram / 4d)
+    rows in the outer loop, query blocks of B_r = min(B_c, d) rows in the inner one; O (normalised), the
+    running sum l and max m live in HBM and are read and written back at every step (the update is
+    `online_softmax_step`). Every load and store is counted in `traffic`; returns O (N, d), fp32."""
+    _check_io(q, k, v)
+    N, d = q.shape
+    if isinstance(sram, bool) or not isinstance(sram, int) or not d <= sram <= N * d:
+        raise ValueError(f"sram must be an int number of elements with d <= sram <= N d ({d} .. {N * d}), got {sram!r}")
+    b_c = -(-sram // (4 * d))
+    b_r = min(b_c, d)
+    scale = 1 / math.sqrt(d)
+    o = torch.zeros(N, d, device=q.device)                         # in HBM, as l and m
+    l = torch.zeros(N, device=q.device)
+    m = torch.full((N,), float("-inf"), device=q.device)
+    for j in range(0, N, b_c):                                     # outer loop: one block of keys and values
+        kj, vj = traffic.load("K", k[j:j + b_c]).float(), traffic.load("V", v[j:j + b_c]).float()
+        for i in range(0, N, b_r):                                 # inner loop: every block of queries
+            qi, oi = traffic.load("Q", q[i:i + b_r]).float(), traffic.load("O", o[i:i + b_r])
+            li, mi = traffic.load("l", l[i:i + b_r]), traffic.load("m", m[i:i + b_r])
+            s = (qi @ kj.T) * scale                                # (B_r, B_c): on chip only
+            m_new, l_new, acc = online_softmax_step(mi, li, oi * li[:, None], s, vj)
+            o[i:i + b_r] = traffic.store("O", acc / l_new[:, None])
+            l[i:i + b_r], m[i:i + b_r] = traffic.store("l", l_new), traffic.store("m", m_new)
+    return o
 
 
 # ---------------------------------------------------------------- arguments, checked before any work

@@ -29,28 +29,34 @@ if not torch.cuda.is_available():
 import triton                      # noqa: E402  (after choosing the interpreter)
 import triton.language as tl       # noqa: E402
 
-__all__ = ["forward_triton", "backward_triton", "decode_triton", "paged_triton", "INTERPRETED"]
+__all__ = ["online_softmax", "flash_fwd_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "decode_split_kernel",
+           "paged_decode_kernel", "forward_triton", "backward_triton", "decode_triton", "paged_triton", "INTERPRETED"]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ---------------------------------------------------------------- the online softmax, written once
 @triton.jit
-def _online_softmax(m_i, l_i, s):
+def online_softmax(m_i, l_i, s):
     """Fold a tile of scores s (M, N) into the running max m_i (M,) and sum l_i (M,) (Milakov &
     Gimelshein 2018). Returns the new max and sum, the tile's exp(s - max) and alpha, the factor
-    that rescales what was accumulated so far: acc = acc * alpha + p @ V."""
+    that rescales what was accumulated so far: acc = acc * alpha + p @ V (each caller multiplies p
+    into V its own way: tl.dot for a tile of rows, a sum for one row). Its PyTorch twin, which also
+    does that product, is `labkit.flash.online_softmax_step`; every kernel below calls this one."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
 
 
+_online_softmax = online_softmax   # its name before it was public
+
+
 @triton.jit
 def _fold_keys(q, k, v, valid, m_i, l_i, acc):
     """One query row (q (1, D), already scaled) against a tile of keys k, v (N, D): no tl.dot for one row."""
     s = tl.where(valid[None, :], tl.sum(k * q, 1)[None, :], float("-inf"))    # (1, N) scores
-    m_i, l_i, p, alpha = _online_softmax(m_i, l_i, s)
+    m_i, l_i, p, alpha = online_softmax(m_i, l_i, s)
     return m_i, l_i, acc * alpha[:, None] + tl.sum(tl.trans(p) * v, 0)[None, :]
 
 
@@ -86,7 +92,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, scale, Nq, Nk, Hq, GROUP,
         if CAUSAL:
             valid = valid & (offs_m[:, None] + shift >= cols[None, :])
         s = tl.where(valid, s, float("-inf"))
-        m_i, l_i, p, alpha = _online_softmax(m_i, l_i, s)
+        m_i, l_i, p, alpha = online_softmax(m_i, l_i, s)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
     rows = offs_m < Nq
     tl.store(O + q_base + offs_m[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),

@@ -15,17 +15,24 @@ graph it is.
     report.survivors            # [Survivor(line, bytes_per_step, holder, ...)], largest first
     report.cycle_bytes_per_step # freed only by gc.collect()
 
+What it finds, e.g. the three usual leaks: intermediates kept alive (a loss summed as a tensor, outputs kept in
+a list: each holds its step's autograd graph), a cache that grows in a loop (a dict keyed by something new each
+step), and an RNN whose hidden state is carried to the next step without `.detach()` (each step's graph hangs
+on the previous one's); notebook 05's leak clinic plants each and reads its report.
+
 Limits: tensors made by other threads are not seen (a dispatch mode is per thread); a holder chain is
 found through Python objects only (C++ holders other than autograd's saved tensors show as "unknown").
 """
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
 import types
 import weakref
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -91,9 +98,9 @@ class _Book:
         except TypeError:
             trefs = []
         self.live[key] = [st.nbytes(), _user_line(), trefs, step,
-                          weakref.ref(st, lambda ref, key=key: self._gone(key, ref))]
+                          weakref.ref(st, functools.partial(self._gone, key))]
 
-    def _gone(self, key, ref):
+    def _gone(self, key, ref):       # the storage's weakref callback: it was freed
         entry = self.live.get(key)
         if entry is not None and entry[4] is ref:
             del self.live[key]
@@ -109,6 +116,16 @@ class _Book:
         # Returning `t` itself would make an output's graph hold the output's own Python object: a cycle
         # through C++ that gc cannot break. A detached alias shares the storage and adds no bytes.
         return t.detach()
+
+
+def _unpack(t):
+    """The saved-tensors hook's unpack: the detached alias `pack` returned is the tensor autograd reads."""
+    return t
+
+
+def _is_leaf_ref(ref):
+    """Sort key: tensors with a grad_fn (graph roots) before leaves."""
+    return ref().grad_fn is None
 
 
 def _input_storages(args, kwargs):
@@ -169,7 +186,8 @@ class LeakReport:
         lines += [f"  {s}" for s in self.survivors] or ["  nothing survives its step"]
         return "\n".join(lines)
 
-    _repr_pretty_ = lambda self, p, cycle: p.text(str(self))     # noqa: E731
+    def _repr_pretty_(self, printer, cycle):        # IPython shows a report as its text
+        printer.text(str(self))
 
 
 def find(step, steps=4, warmup=1):
@@ -181,7 +199,7 @@ def find(step, steps=4, warmup=1):
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     for _ in range(warmup):           # under the same hooks: one-time set-up is not counted as a leak
         scratch = _Book()
-        with torch.autograd.graph.saved_tensors_hooks(scratch.pack, lambda t: t), _Born(scratch, -1):
+        with torch.autograd.graph.saved_tensors_hooks(scratch.pack, _unpack), _Born(scratch, -1):
             step()
     gc.collect()
     book, live_after, cycles = _Book(), [], []
@@ -189,7 +207,7 @@ def find(step, steps=4, warmup=1):
     gc.disable()
     try:
         for k in range(steps):
-            with torch.autograd.graph.saved_tensors_hooks(book.pack, lambda t: t), _Born(book, k):
+            with torch.autograd.graph.saved_tensors_hooks(book.pack, _unpack), _Born(book, k):
                 step()
             before = book.bytes()
             gc.collect()
@@ -218,7 +236,7 @@ def _survivors(book, steps):
         holder = None
         # tensors whose Python object still lives (most saved in a graph do not); graph roots first
         alive = [r for r in g["refs"] if r() is not None]
-        alive.sort(key=lambda r: r().grad_fn is None)
+        alive.sort(key=_is_leaf_ref)
         for tref in alive[:8]:
             t = tref()
             holder = holders(t)
@@ -231,7 +249,8 @@ def _survivors(book, steps):
             holder = "an autograd graph" + (f" reachable from {graph_holder}" if graph_holder else "")
         out.append(Survivor(line, g["bytes"] / steps, g["count"], len(g["steps"]),
                             holder or "unknown (no Python referrer)", g["saved"]))
-    return sorted(out, key=lambda s: -s.bytes_per_step)
+    out.sort(key=attrgetter("bytes_per_step"), reverse=True)
+    return out
 
 
 def _graph_holder(book):

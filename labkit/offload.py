@@ -15,7 +15,13 @@ then a real copy out of torch's books, exactly as a GPU-to-CPU copy leaves the G
 - `bandwidth(route)`: measured bytes per second of one copy route.
 - `CrossDeviceCopies`: counts the bytes that copies move between two different devices (the seed's
   `Swapper`, accelerate's `cpu_offload` on a GPU).
-- `Swapper`: the seed material's module (`x.cuda()`, the layer, `.cpu()`), kept to be measured.
+- `SeedSwapper`: the seed material's module as written (`x = x.cpu(); x = self.module(x); return x.cuda()`),
+  kept to be run and measured; `Swapper`: what it was meant to do (the layer on the device, its input
+  and output on the host).
+- `SavedBytesByDevice`: saved-tensor hooks that count the bytes autograd saves for backward, by device.
+- `CountedHooks`: wraps any pack/unpack pair and counts, from the outside, what it copies and gives back.
+- `GradWeightCopies`: counts the bytes copy ops read out of a model's gradients and write into its weights.
+- `numpy_bytes()`: the bytes of every numpy buffer alive now (host memory, as `tracemalloc` sees it).
 - `count_weight_reads(model)`: the bytes accelerate's offload hooks load per forward.
 """
 from __future__ import annotations
@@ -26,6 +32,7 @@ import os
 import pathlib
 import statistics
 import time
+import tracemalloc
 import weakref
 from collections.abc import Mapping
 
@@ -35,8 +42,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .units import parse_bytes
 
-__all__ = ["ActivationOffload", "HostAdam", "bandwidth", "ROUTES", "CrossDeviceCopies", "Swapper",
-           "count_weight_reads", "to_host", "from_host"]
+__all__ = ["ActivationOffload", "HostAdam", "bandwidth", "ROUTES", "CrossDeviceCopies", "SeedSwapper", "Swapper",
+           "SavedBytesByDevice", "CountedHooks", "GradWeightCopies", "numpy_bytes", "count_weight_reads",
+           "to_host", "from_host"]
 
 TARGETS = ("host", "disk", "bf16")
 
@@ -107,7 +115,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         off.bytes_out, off.bytes_in                      # exact byte counts
 
     to: "host" (a numpy buffer), "disk" (a file in `folder`), "bf16" (an fp32 tensor kept as bf16 on the
-    device: half the bytes, lossy: relative error at most 2**-9 per element, round to nearest).
+    device: half the bytes, lossy: round to nearest keeps 8 significant bits, a relative error of at most
+    2**-8 per element, bf16's unit roundoff).
     keep: modules or tensors whose storages stay where they are (the weights: moving a parameter copies
     it every time an op saves it, and the device keeps it anyway). Also kept: integer and bool tensors
     (indices, labels, masks: packing the labels as floats would corrupt the loss; bf16 cannot hold them
@@ -371,13 +380,32 @@ class CrossDeviceCopies(TorchDispatchMode):
         return out
 
 
-class Swapper(torch.nn.Module):
-    """The seed material's swapper: run `layer` on `device`, hand its output back to `host`.
+class SeedSwapper(torch.nn.Module):
+    """The seed material's swapper, as written: `x = x.cpu(); x = self.module(x); return x.cuda()`.
 
-    As written in the seed (`x = x.cuda(); y = self.layer(x); return y.cpu()`), generalised to any pair
-    of devices so that it runs on a CPU (where both are "cpu" and it moves nothing). It moves the layer's
-    input and output; the layer's weights stay on `device`, and so does everything the layer saves
-    for backward.
+    Generalised to any pair of devices (`.cpu()` is `.to(host)`, `.cuda()` is `.to(device)`) so that it runs
+    without a GPU, e.g. with "meta" standing in for the GPU under FakeTensorMode. It moves the input to the
+    host and runs the module there: a module on `device` then fails with a device mismatch; a module on
+    the host runs, with its weights, its compute and everything it saves for backward on the host, and
+    only its output goes back to `device`. It moves no memory out of the device that the layer used there.
+    """
+
+    def __init__(self, module, device, host="cpu"):
+        super().__init__()
+        self.module, self.device, self.host = module, torch.device(device), torch.device(host)
+
+    def forward(self, x):
+        x = x.to(self.host)                 # the seed: x = x.cpu()
+        x = self.module(x)                  #           x = self.module(x)
+        return x.to(self.device)            #           return x.cuda()
+
+
+class Swapper(torch.nn.Module):
+    """What the seed's swapper was meant to do: run `layer` on `device`, keep its input and output on `host`.
+
+    `x = x.cuda(); y = self.layer(x); return y.cpu()`, generalised to any pair of devices so that it runs
+    on a CPU. It moves the layer's input and output; the layer's weights stay on `device`, and so does
+    everything the layer saves for backward (saved-tensor hooks, `ActivationOffload`, move that).
     """
 
     def __init__(self, layer, device, host="cpu"):
@@ -387,6 +415,113 @@ class Swapper(torch.nn.Module):
     def forward(self, x, *args, **kwargs):
         y = self.layer(x.to(self.device), *args, **kwargs)
         return y.to(self.host) if isinstance(y, torch.Tensor) else type(y)(v.to(self.host) for v in y)
+
+
+class SavedBytesByDevice(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes autograd saves for backward while the block runs, by device type: `.bytes`.
+
+        with SavedBytesByDevice() as saved:
+            loss = model(x).sum()
+        saved.bytes                      # {"cpu": ..., "cuda": ...}; a storage saved twice counts once
+    """
+
+    def __init__(self):
+        self.bytes, self._seen = {}, set()
+        super().__init__(self._pack, self._unpack)
+
+    def __enter__(self):
+        super().__enter__()
+        return self
+
+    def _pack(self, t):
+        st = t.untyped_storage()
+        key = (t.device.type, st._cdata)        # the storage itself (its data pointer is no key on fake tensors)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.bytes[t.device.type] = self.bytes.get(t.device.type, 0) + st.nbytes()
+        return t
+
+    @staticmethod
+    def _unpack(t):
+        return t
+
+
+class CountedHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Wraps a pack/unpack pair (any `saved_tensors_hooks`) and counts, from outside it, what it does.
+
+    `tally`: "saved" (tensors autograd handed to pack), "copied" (pack returned something other than the
+    tensor's own storage), "copied_bytes", "weights" (copies of a tensor sharing a storage with one of
+    `weights`), "unpacked" (unpack calls for a copied save), "unpacked_bytes" (bytes of what they returned).
+    Entering it also enters `hooks` when that is a context manager with its own exit work (e.g.
+    `ActivationOffload`), so its clean-up runs.
+    """
+
+    def __init__(self, hooks, weights=()):
+        self.hooks = hooks
+        self._weights = {t.untyped_storage().data_ptr() for t in _tensors(list(weights))}
+        self.tally = dict(saved=0, copied=0, copied_bytes=0, weights=0, unpacked=0, unpacked_bytes=0)
+        super().__init__(self._pack, self._unpack)
+
+    def __enter__(self):
+        super().__enter__()
+        return self
+
+    def _pack(self, t):
+        out = self.hooks.pack_hook(t)
+        self.tally["saved"] += 1
+        if out is t:
+            return ("same", out)
+        stored = out[1] if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor) else out
+        if isinstance(stored, torch.Tensor) and stored.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            return ("same", out)
+        self.tally["copied"] += 1
+        self.tally["copied_bytes"] += t.numel() * t.element_size()
+        self.tally["weights"] += t.untyped_storage().data_ptr() in self._weights
+        return ("copied", out)
+
+    def _unpack(self, packed):
+        how, inner = packed
+        out = self.hooks.unpack_hook(inner)
+        if how == "copied":
+            self.tally["unpacked"] += 1
+            self.tally["unpacked_bytes"] += out.numel() * out.element_size()
+        return out
+
+    def __exit__(self, *exc):
+        result = super().__exit__(*exc)
+        if isinstance(self.hooks, ActivationOffload):
+            self.hooks._packed.clear()          # what ActivationOffload's own exit does
+        return result
+
+
+class GradWeightCopies(TorchDispatchMode):
+    """Bytes that copy ops (`aten.copy_`) read out of `model`'s gradients (`from_grads`) and write into
+    its weights (`into_weights`) while the block runs: what an optimizer on the host must move."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.params = list(model.parameters())
+        self.weights = {p.untyped_storage().data_ptr() for p in self.params}
+        self.from_grads = self.into_weights = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            dst, src = args[0], args[1]
+            grads = {p.grad.untyped_storage().data_ptr() for p in self.params if p.grad is not None}
+            if src.untyped_storage().data_ptr() in grads:
+                self.from_grads += src.numel() * src.element_size()
+            if dst.untyped_storage().data_ptr() in self.weights:
+                self.into_weights += dst.numel() * dst.element_size()
+        return func(*args, **(kwargs or {}))
+
+
+def numpy_bytes():
+    """Bytes of every numpy buffer alive now, as `tracemalloc` sees them (numpy reports its allocations to
+    tracemalloc in a domain of its own); 0 unless `tracemalloc.start()` ran before they were allocated."""
+    if not tracemalloc.is_tracing():
+        return 0
+    domain = tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)
+    return sum(trace.size for trace in tracemalloc.take_snapshot().filter_traces([domain]).traces)
 
 
 class _CountingMap(Mapping):

@@ -7,6 +7,7 @@ time and memory per `record_function` range, and which line of Python called an 
     prof.peak_parts()                                            # the breakdown at the peak, lk.track's names
     prof.ranges(["forward", "backward", "step"])                 # time, peak and net bytes of each range
     prof.sources("aten::item")                                   # {python frame: calls}: who called it
+    prof.live_at_peak()                                          # [(profiler category, bytes)] of each tensor
 
 Everything here counts what the profiler recorded (calls, bytes, its own timestamps); nothing is
 typed in. The categorised timeline is PyTorch's own (`torch.profiler._memory_profiler`, the code
@@ -35,7 +36,8 @@ __all__ = ["run", "Profile", "PROFILER_CATEGORIES", "SYNC_OPS"]
 PROFILER_CATEGORIES = {"PARAMETER": "parameters", "GRADIENT": "gradients", "OPTIMIZER_STATE": "optimizer",
                        "ACTIVATION": "activations", "INPUT": "other", "TEMPORARY": "other",
                        "AUTOGRAD_DETAIL": "other", None: "other"}
-# Operators that make the host wait for the device: on a GPU each one is a synchronisation.
+# Operators that can make the host wait for the device: each one synchronises when its input lives on a
+# GPU (aten::item on a CPU tensor, e.g. AdamW's step counter, waits for nothing; on a CPU nothing waits).
 SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize",
             "cudaDeviceSynchronize", "cudaEventSynchronize")
 _LIBRARY = ("nn.Module:", "torch/", "transformers/", "triton/", "accelerate/", "peft/", "labkit/", "<built-in")
@@ -185,6 +187,34 @@ class Profile:
         tl = self.memory_timeline(raw=raw)
         i = int(np.argmax(tl["total"]))
         return {c: int(v[i]) for c, v in tl.items() if c not in ("total", "t_us")}
+
+    def live_at_peak(self):
+        """The tensors live at the moment of the peak, largest first: [(profiler category name or None,
+        bytes)], replaying the profiler's memory events exactly as its categorised timeline sums them."""
+        from torch.profiler._memory_profiler import Action, MemoryProfileTimeline, TensorKey
+        peak_index = int(np.argmax(self.memory_timeline()["total"]))
+        timeline = MemoryProfileTimeline(self.prof._memory_profile())
+        device = _timeline_device({key.device for _, _, (key, _), _ in timeline.timeline}, self.device)
+        live, times = {}, []                                     # key -> (version, bytes)
+        for t, action, (key, version), numbytes in timeline.timeline:
+            if key.device != device:
+                continue
+            t = t if t == -1 else int(t / 1000)                 # the timeline's microseconds, as in torch
+            if not times or t != times[-1]:
+                times.append(t)
+                if len(times) - 1 > peak_index:                 # the peak's moment is complete
+                    break
+            if action in (Action.PREEXISTING, Action.CREATE):
+                live[key] = (version, numbytes)
+            elif action == Action.INCREMENT_VERSION:
+                live[key] = (version + 1, numbytes)
+            elif action == Action.DESTROY:
+                live.pop(key, None)
+        out = []
+        for key, (version, numbytes) in live.items():
+            category = timeline.categories.get(key, version) if isinstance(key, TensorKey) else None
+            out.append((category.name if category is not None else None, int(numbytes)))
+        return sorted(out, key=lambda x: -x[1])
 
     def ranges(self, names):
         """For each record_function range in `names`: calls, time_s (summed over calls, host clock),

@@ -20,7 +20,7 @@ import torch
 from .data import DATA_DIR
 from .device import size
 
-__all__ = ["record", "RECORDS_DIR", "gpu_figures", "show_gpu", "GPU_CHECKS", "GPU_DIR", "NOTEBOOKS"]
+__all__ = ["record", "RECORDS_DIR", "gpu_figures", "gpu_records", "show_gpu", "GPU_CHECKS", "GPU_DIR", "NOTEBOOKS"]
 
 RECORDS_DIR = pathlib.Path(os.environ.get(
     "LABKIT_RECORDS", pathlib.Path(__file__).resolve().parent.parent / "build" / "records"))
@@ -151,6 +151,11 @@ def _lines(folder):
             yield path, number, rec
 
 
+def gpu_records(folder=None):
+    """Every record of every check in data/gpu/*.jsonl (failed and skipped runs too), oldest first."""
+    return sorted((rec for _, _, rec in _lines(_folder(folder))), key=lambda rec: rec["date"])
+
+
 def gpu_figures(check, *, failed=False, folder=None):
     """The records of one GPU check from data/gpu/*.jsonl, oldest first: dicts with "gpu", "date", "check",
     "torch" and the check's figures. Checks that failed or were skipped are left out unless `failed=True`
@@ -167,7 +172,7 @@ _SKIP = set(_REQUIRED) | {"status", "seconds", "cuda"}
 
 
 def _shown(rec, keys=None):
-    from .cli import _figure
+    from .units import fmt_figure as _figure
     shown = []
     for key in (rec if keys is None else [k for k in keys if k in rec]):
         value = rec[key]

@@ -5,7 +5,7 @@ import math
 import numbers
 import re
 
-__all__ = ["parse_bytes", "fmt_bytes", "GiB", "MiB", "KiB"]
+__all__ = ["parse_bytes", "fmt_bytes", "fmt_figure", "GiB", "MiB", "KiB"]
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -52,3 +52,21 @@ def fmt_bytes(n):
         if n >= size:
             return f"{sign}{n / size:.2f} {unit}"
     return f"{sign}{int(n)} B"
+
+
+def fmt_figure(key, value):
+    """A recorded figure as text, its unit read from its name: `_bytes` in binary units, `_s` in seconds,
+    `_ratio` as "x", `_gap` as a signed percentage, `_share` as a percentage; text as it is."""
+    if isinstance(value, str):
+        return value
+    if key.endswith("_bytes"):
+        return fmt_bytes(value)
+    if key.endswith("_s"):
+        return f"{value:.3g} s"
+    if key.endswith("_ratio"):
+        return f"{value:.3g}x"
+    if key.endswith("_gap"):
+        return f"{value:+.2%}"
+    if key.endswith("_share"):
+        return f"{value:.1%}"
+    return f"{value:.4g}" if isinstance(value, float) else f"{value:,}"

@@ -23,10 +23,13 @@ per element as a single process, so the sharded run can be compared with it.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMM", "reset_comm", "comm_volume", "shard_size", "shard", "unshard", "Zero", "Gather", "STAGES"]
+__all__ = ["COMM", "reset_comm", "comm_volume", "shard_size", "shard", "unshard", "all_reduce", "reduce_scatter",
+           "all_gather", "Zero", "Gather", "STAGES"]
 
 STAGES = (0, 1, 2, 3)
 COMM = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "all_gather_backward": 0, "calls": 0}
@@ -84,13 +87,14 @@ def unshard(shards, shape):
 
 
 # ---- collectives, counted ----------------------------------------------------------------------------
-def _all_reduce(t):
+def all_reduce(t):
+    """Sum of `t` over ranks, in place (counted in COMM)."""
     _count("all_reduce", t.nbytes)
     dist.all_reduce(t)
     return t
 
 
-def _reduce_scatter(full, world):
+def reduce_scatter(full, world):
     """Sum over ranks of `full` (any shape), this rank's shard of it: padded to world * S elements first."""
     s = shard_size(full.numel(), world)
     flat = full.reshape(-1)
@@ -102,7 +106,7 @@ def _reduce_scatter(full, world):
     return out
 
 
-def _all_gather(local, world, kind="all_gather"):
+def all_gather(local, world, kind="all_gather"):
     """The ranks' shards side by side: a (world * S,) tensor, padding included."""
     out = local.new_empty(local.numel() * world)
     _count(kind, out.nbytes)
@@ -117,7 +121,7 @@ class Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, engine, i):
         ctx.engine, ctx.i = engine, i
-        full = _all_gather(local, engine.world)
+        full = all_gather(local, engine.world)
         engine._note_gathered(full, i)
         return full[: engine.numel[i]].view(engine.shape[i])
 
@@ -125,7 +129,7 @@ class Gather(torch.autograd.Function):
     def backward(ctx, grad):
         engine = ctx.engine
         engine._regathered.pop(ctx.i, None)           # its backward is done: free the copy gathered for it
-        g = _reduce_scatter(grad, engine.world).div_(engine.world)
+        g = reduce_scatter(grad, engine.world).div_(engine.world)
         engine._label(g, "gradients")
         return g, None, None
 
@@ -166,7 +170,7 @@ class Zero:
         self._hooks, self._gathered, self._regathered = [], {}, {}
         if stage == 2:
             for i, p in enumerate(self.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self.reduce_now(i)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._reduce_hook, i)))
         if stage == 3:
             self._shard_weights(units)
 
@@ -193,9 +197,12 @@ class Zero:
     def reduce_now(self, i):
         """Stage 2, called as backward finishes parameter i's gradient: keep only this rank's shard of it."""
         p = self.params[i]
-        self.grad_shards[i] = _reduce_scatter(p.grad, self.world).div_(self.world)
+        self.grad_shards[i] = reduce_scatter(p.grad, self.world).div_(self.world)
         self._label(self.grad_shards[i], "gradients")
         p.grad = None                                          # the full gradient is freed now
+
+    def _reduce_hook(self, i, param):                          # register_post_accumulate_grad_hook calls hook(param)
+        self.reduce_now(i)
 
     def local_grad(self, i):
         """This rank's averaged gradient of parameter i, as the optimizer needs it (fp32, master's shape)."""
@@ -208,9 +215,9 @@ class Zero:
         if g is None:
             raise RuntimeError(f"parameter {self.names[i]} has no gradient: call backward() before step()")
         if self.stage == 0:                                    # DDP: the whole averaged gradient
-            g = _all_reduce(g).div_(self.world).reshape(-1)
+            g = all_reduce(g).div_(self.world).reshape(-1)
         elif self.stage == 1:                                  # ZeRO-1: only this rank's shard of the average
-            g = _reduce_scatter(g, self.world).div_(self.world)
+            g = reduce_scatter(g, self.world).div_(self.world)
         return g.float()
 
     @torch.no_grad()
@@ -225,7 +232,7 @@ class Zero:
                 self.params[i].copy_(m.view(self.shape[i]))
                 self.params[i].grad = None
             elif self.stage in (1, 2):
-                full = _all_gather(m.to(self.params[i].dtype), self.world)
+                full = all_gather(m.to(self.params[i].dtype), self.world)
                 self.params[i].copy_(full[: self.numel[i]].view(self.shape[i]))
                 self.params[i].grad, self.grad_shards[i] = None, None
             else:
@@ -288,7 +295,7 @@ class Zero:
             return saved
         full = self._regathered.get(saved.i)
         if full is None:
-            full = self._regathered[saved.i] = _all_gather(self.local[saved.i].detach(), self.world, "all_gather_backward")
+            full = self._regathered[saved.i] = all_gather(self.local[saved.i].detach(), self.world, "all_gather_backward")
             self._label(full, "parameters")
             if self.tracker is not None:
                 self.tracker.mark("all-gather (backward)")
@@ -297,5 +304,6 @@ class Zero:
 
 # The names these had before they were shown in notebook 10 (kept for callers of the old names).
 _Gather = Gather
+_all_reduce, _reduce_scatter, _all_gather = all_reduce, reduce_scatter, all_gather
 Zero._reduce_now, Zero._local_grad = Zero.reduce_now, Zero.local_grad
 Zero._before_forward, Zero._pack, Zero._unpack = Zero.before_forward, Zero.pack, Zero.unpack

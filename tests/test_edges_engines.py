@@ -46,3 +46,27 @@ def test_run_without_a_workdir_leaves_no_folder_behind(tmp_path, monkeypatch):
     r = engines.run("eager", repeat=1)
     assert list(tmp_path.iterdir()) == []
     assert r.ran and r.values.shape == (1, 1000) and r.output is None and r.artifact is None
+
+
+def test_malloc_mmap_threshold_is_checked_before_any_work(no_subprocess):
+    with pytest.raises(ValueError, match="malloc_mmap_threshold must be None or a number of bytes >= 0, got '64k'"):
+        engines.run("eager", malloc_mmap_threshold="64k")
+    with pytest.raises(ValueError, match="malloc_mmap_threshold must be .* got -1"):
+        engines.compare([("eager", {"malloc_mmap_threshold": -1})])
+
+
+@pytest.mark.parametrize("threshold", [None, 65536])
+def test_every_engine_runs_the_same_malloc_unless_told(monkeypatch, tmp_path, threshold):
+    """An MALLOC_MMAP_THRESHOLD_ the caller's shell set does not reach the engine's process (it would time one
+    engine under another malloc than the next); malloc_mmap_threshold sets it for that one run."""
+    seen = {}
+
+    def capture(args, env, **kwargs):
+        seen.update(env)
+        raise KeyboardInterrupt                     # stop before anything runs
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1234")
+    monkeypatch.setattr(subprocess, "run", capture)
+    with pytest.raises(KeyboardInterrupt):
+        engines.run("eager", workdir=tmp_path, malloc_mmap_threshold=threshold)
+    assert seen.get("MALLOC_MMAP_THRESHOLD_") == (None if threshold is None else str(threshold))
+    assert seen["OMP_NUM_THREADS"] == "1"

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from labkit.paged import BlockAllocator, BlockTables, block_hashes
+from labkit.paged import BlockAllocator, BlockTables, PrefixCachingAllocator, block_hashes, serving_tables
 
 
 @pytest.mark.parametrize("tokens, says", [
@@ -14,14 +14,14 @@ from labkit.paged import BlockAllocator, BlockTables, block_hashes
 ])
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_token_ids_that_are_not_ids_are_refused_and_nothing_changes(tokens, says, prefix_caching):
-    tables = BlockTables(BlockAllocator(8, 4), prefix_caching=prefix_caching)
+    tables = serving_tables((PrefixCachingAllocator if prefix_caching else BlockAllocator)(8, 4), prefix_caching=prefix_caching)
     with pytest.raises(TypeError, match=says):
         tables.add("a", tokens)
     assert tables.tables == {} and tables.allocator.num_free == 8
 
 
 def test_integer_ids_from_numpy_and_torch_are_ids():
-    tables = BlockTables(BlockAllocator(8, 4), prefix_caching=True)
+    tables = serving_tables(PrefixCachingAllocator(8, 4), prefix_caching=True)
     assert tables.add("a", np.arange(8)) == 0
     assert tables.add("b", torch.arange(8)) == 8          # the same two full blocks, found in the cache
     with pytest.raises(TypeError, match=r"tokens\[0\] must be an int token id, got tensor\(0.5000\)"):
@@ -37,7 +37,7 @@ def test_a_block_size_below_one_is_refused(bad):
 
 
 def test_sharing_a_free_block_is_not_called_a_double_free():
-    a = BlockAllocator(4, 4)
+    a = PrefixCachingAllocator(4, 4)
     with pytest.raises(ValueError, match="cannot share block 2: it is free"):
         a.share(2)
     with pytest.raises(ValueError, match="cannot cache block 1: it is free"):

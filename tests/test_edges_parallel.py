@@ -1,4 +1,4 @@
-"""parallel.launch at its faults (a rank that ignores SIGTERM, one that writes no result, a bad timeout) and
+"""labkit.launch at its faults (a rank that ignores SIGTERM, one that writes no result, a bad timeout) and
 the tensor-parallel layers with a bias."""
 import os
 import signal
@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from labkit.parallel import ColumnParallelLinear, RowParallelLinear, _alive, launch
+from labkit.launch import _alive, launch
+from labkit.parallel import ColumnParallelLinear, RowParallelLinear
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def test_a_rank_that_ignores_sigterm_is_killed_and_confirmed_gone_on_timeout(scr
 
 def test_a_rank_that_exits_0_without_a_result_says_so(scripts):
     with pytest.raises(RuntimeError, match=r"(?s)exited 0 but silent_rank wrote no result: rank 0 must call "
-                                           r"labkit.parallel.write_result\(data\).*done, but no write_result"):
+                                           r"labkit.launch.write_result\(data\).*done, but no write_result"):
         launch("silent_rank", nproc=1, timeout=120)
 
 

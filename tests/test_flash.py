@@ -13,6 +13,7 @@ below is the implementation's own. Tolerances and their reasons:
 - bf16 backward: at most twice SDPA's own error in bf16 (flash-attn's test criterion), see below.
 """
 import math
+import pathlib
 
 import pytest
 import torch
@@ -197,9 +198,54 @@ def test_paged_attention_matches_dense(backend, dtype):
 
 def test_kernel_source_reads_the_triton_file_without_importing_triton():
     src = flash.kernel_source("forward")
-    assert src.startswith("@triton.jit\ndef flash_fwd_kernel(") and "_online_softmax(m_i, l_i, s)" in src
+    assert src.startswith("@triton.jit\ndef flash_fwd_kernel(") and "= online_softmax(m_i, l_i, s)" in src
     with pytest.raises(ValueError, match="name must be one of .*got 'fwd'"):
         flash.kernel_source("fwd")
+
+
+def test_the_online_softmax_is_written_once_in_triton_and_every_kernel_calls_it():
+    """One @triton.jit helper beside its PyTorch twin: the update's lines appear in it alone."""
+    helper = flash.kernel_source("online_softmax")
+    assert helper.startswith("@triton.jit\ndef online_softmax(m_i, l_i, s):")
+    text = (pathlib.Path(flash.__file__).parent / "flash_triton.py").read_text()
+    assert text.count("tl.exp(m_i - m_new)") == 1 and text.count("tl.maximum(m_i, tl.max(s, 1))") == 1
+    for name in ("forward", "decode", "paged"):
+        body = flash.kernel_source(name)
+        assert "online_softmax(" in body or "_fold_keys(" in body, name
+
+
+@pytest.mark.parametrize("name", sorted(flash.KERNELS))
+def test_kernel_code_shows_the_kernel_from_its_file_without_triton(name):
+    """lk.show(flash.kernel_code(name)) shows exactly the lines kernel_source reads, decorator first."""
+    from labkit.show import source
+    assert source(flash.kernel_code(name)) == flash.kernel_source(name)
+
+
+def test_hbm_traffic_of_both_algorithms_is_the_papers_count_and_the_output_is_right():
+    """Counted at each block load and store: Algorithm 0 moves 4N^2 + 4Nd elements, Algorithm 1
+    2Nd + T_c (3Nd + 4N) with T_c = ceil(N / ceil(M / 4d)); both outputs equal softmax(q k^T / sqrt d) v."""
+    g = torch.Generator().manual_seed(0)
+    N, d = 200, 32                                              # ragged: the last blocks are partial
+    q, k, v = (torch.randn(N, d, generator=g) for _ in range(3))
+    ref = torch.softmax(q @ k.T / math.sqrt(d), -1) @ v
+    standard = flash.HBMTraffic()
+    torch.testing.assert_close(flash.standard_attention_io(q, k, v, standard), ref, rtol=1e-5, atol=1e-5)
+    assert standard.total == (4 * N * N + 4 * N * d) * 4
+    assert standard.reads == {"Q": N * d * 4, "K": N * d * 4, "S": N * N * 4, "P": N * N * 4, "V": N * d * 4}
+    for M in (d, 1024, 4096, N * d):
+        tiled = flash.HBMTraffic()
+        torch.testing.assert_close(flash.flash_attention_io(q, k, v, M, tiled), ref, rtol=1e-5, atol=1e-5)
+        t_c = -(-N // -(-M // (4 * d)))
+        assert tiled.total == (2 * N * d + t_c * (3 * N * d + 4 * N)) * 4, M
+        assert tiled.reads["K"] == tiled.reads["V"] == N * d * 4     # each key and value read once
+
+
+def test_hbm_traffic_refuses_what_the_theorem_excludes():
+    q = torch.randn(64, 16)
+    with pytest.raises(ValueError, match="sram must be .* d <= sram <= N d .*got 8"):
+        flash.flash_attention_io(q, q, q, 8, flash.HBMTraffic())
+    with pytest.raises(ValueError, match="q must be a non-empty \\(N, d\\) tensor"):
+        flash.standard_attention_io(q[None], q, q, flash.HBMTraffic())
 
 
 # ---------------------------------------------------------------- bad inputs: refused before any work

@@ -7,8 +7,7 @@ import sys
 import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = ["pyproject.toml", "README.md", "labkit", "data/corpus.txt", "data/tokenizer.json", "data/build_corpus.py",
-           "data/gpu/README.md"]
+SOURCES = ["pyproject.toml", "README.md", "labkit", "data"]
 
 
 def test_wheel_installs_and_runs(tmp_path):
@@ -26,7 +25,10 @@ def test_wheel_installs_and_runs(tmp_path):
     wheel = next((tmp_path / "dist").glob("labkit-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"labkit/scripts/tensor_parallel.py", "labkit/scripts/pipeline_parallel.py", "labkit/lock.txt",
-            "labkit/_data/corpus.txt", "labkit/_data/tokenizer.json", "labkit/_data/gpu/README.md"} <= names, sorted(names)
+            "labkit/_data/corpus.txt", "labkit/_data/tokenizer.json", "labkit/_data/gpu/README.md",
+            "labkit/_data/workbook.json"} <= names, sorted(names)
+    packages = {p.relative_to(ROOT).as_posix() for p in (ROOT / "labkit").rglob("__init__.py")}
+    assert packages <= names, f"pyproject.toml's packages lack {sorted(packages - names)}"
 
     # Install without dependencies next to this environment's packages, and run it from elsewhere:
     # the installed copy comes first on sys.path, ahead of the editable one.
@@ -34,7 +36,7 @@ def test_wheel_installs_and_runs(tmp_path):
     subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", site, wheel],
                    check=True, capture_output=True)
     check = f"""
-import importlib.util, pathlib, labkit as lk, labkit.parallel
+import importlib.util, pathlib, labkit as lk, labkit.parallel, labkit.alloc, labkit.paged, labkit.workbook
 site = pathlib.Path({str(site)!r})
 assert pathlib.Path(lk.__file__).is_relative_to(site), lk.__file__
 assert lk.data.DATA_DIR == site / "labkit" / "_data", lk.data.DATA_DIR

@@ -1,4 +1,5 @@
-"""labkit.leaks: four planted leaks are found with what holds them; a correct loop shows no growth."""
+"""labkit.leaks: planted leaks (the seed's three: unreleased intermediates, a cache growing in a loop, an RNN's
+undetached hidden state; and a reference cycle) are found with what holds them; a correct loop shows no growth."""
 import pytest
 import torch
 
@@ -75,6 +76,56 @@ def test_reference_cycle_is_freed_only_by_gc_collect():
     r = leaks.find(leak_cycle, steps=3)
     assert r.growth_per_step == 0 and r.survivors == []
     assert r.cycle_bytes_per_step >= OUT_BYTES
+
+
+RNN = torch.nn.GRU(8, 16, batch_first=True)
+RNN_X = torch.randn(2, 4, 8)
+hidden = None
+memo = {}
+
+
+def leak_rnn_hidden_not_detached():         # each step's graph hangs on the previous one's
+    global hidden
+    out, hidden = RNN(RNN_X, hidden)
+    out.pow(2).mean().backward(retain_graph=True)
+
+
+def fixed_rnn_detached():                   # truncated backpropagation through time
+    global hidden
+    out, hidden = RNN(RNN_X, None if hidden is None else hidden.detach())
+    out.pow(2).mean().backward()
+
+
+def leak_growing_cache():                   # memoised by a key that never repeats
+    with torch.no_grad():
+        memo[len(memo)] = MODEL(X)
+
+
+def test_rnn_hidden_state_never_detached_grows_and_names_the_hidden_state():
+    global hidden
+    hidden = None
+    r = leaks.find(leak_rnn_hidden_not_detached, steps=3)
+    assert r.grows and r.growth_per_step > 0
+    assert any("autograd graph" in s.holder and "'hidden'" in s.holder for s in r.survivors)
+    assert r.survivors[0].line.endswith("in leak_rnn_hidden_not_detached")
+    hidden = None
+
+
+def test_detached_rnn_hidden_state_stays_one_step():
+    global hidden
+    hidden = None
+    r = leaks.find(fixed_rnn_detached, steps=3)
+    assert r.growth_per_step == 0 and not r.grows
+    assert r.live_after[0] == r.live_after[-1] <= 2 * 16 * 4 * 2, "at most the last hidden state (and its output view)"
+    hidden = None
+
+
+def test_cache_growing_in_a_loop_is_held_by_the_dict():
+    memo.clear()
+    r = leaks.find(leak_growing_cache, steps=3)
+    assert r.grows and r.growth_per_step == OUT_BYTES, "exactly one output per step, no graph (no_grad)"
+    assert "'memo'" in r.survivors[0].holder and "dict" in r.survivors[0].holder
+    memo.clear()
 
 
 def test_bad_input():

@@ -277,19 +277,7 @@ class LossScaler(torch.amp.GradScaler):
         _nb1_refused(nb, check, dict(base), answer, calls="torch")
 
 
-def test_notebook_02s_autocast_copy_check_refuses_labkits_formula():
-    """Exercise 2 (the bytes of autocast's 16-bit weight copies) answered with labkit.estimate's own count of
-    the matmul weights, reached through sys.modules: refused; the answer key passes the measured check."""
-    import importlib
-    import torch
-    import labkit as lk
-    nb, check = "02_mixed_precision.ipynb", 'with lk.exercise(2, "complete autocast_cache_bytes() above"'
-    base = dict(torch=torch, lk=lk, importlib=importlib, PRESET="llama-2-7b", SIZE="tiny", SHAPE={},
-                DEVICE=torch.device("cpu"))
-    _nb1_check(nb, check, dict(base), _nb1_key(nb, "def autocast_cache_bytes("))
-    formula = ("def autocast_cache_bytes(model, dtype):\n    import sys\n    est = sys.modules['labkit.estimate']\n"
-               "    return 2 * est._linear_params(est._shape(model.config))")
-    _nb1_refused(nb, check, dict(base), formula)
+# notebook 02's exercise 2 (fp32 master weights): tests/test_nb02_04_claims.py
 
 
 def test_notebook_00s_storage_check_refuses_pytorchs_tracker_and_fails_a_copied_reference():
@@ -324,8 +312,7 @@ def test_notebook_00s_sgd_check_fails_an_answer_that_measures_nothing():
 
 def test_notebook_02s_checks_refuse_fsdps_scaler_and_the_checks_own_measurement():
     """Exercise 1 answered with FSDP's ShardedGradScaler, whose CPU path re-implements the scale update in
-    Python (no GradScaler method, no kernel), is refused; exercise 2 answered by calling the check's own
-    measured_copies() or by measuring with lk.track is refused."""
+    Python (no GradScaler method, no kernel), is refused (exercise 2: tests/test_nb02_04_claims.py)."""
     import importlib
     import torch
     import labkit as lk
@@ -354,14 +341,6 @@ class LossScaler:
     base = dict(torch=torch, lk=lk, DEVICE=torch.device("cpu"))
     _nb1_refused(nb, 'with lk.exercise(1, "complete LossScaler above"', dict(base), sharded,
                  calls="torch.distributed.fsdp.sharded_grad_scaler")
-    base = dict(base, importlib=importlib, PRESET="llama-2-7b", SIZE="tiny", SHAPE={})
-    check = 'with lk.exercise(2, "complete autocast_cache_bytes() above"'
-    helper = "def autocast_cache_bytes(model, dtype):\n    return measured_copies(model, dtype)"
-    _nb1_refused(nb, check, dict(base), helper, calls="measured_copies")
-    tracked = ("def autocast_cache_bytes(model, dtype):\n    ids = next(lk.data.batches(1, 2))\n"
-               "    with lk.track(model) as m, torch.autocast('cpu', dtype=dtype):\n"
-               "        model(input_ids=ids, use_cache=False)\n    return m.peak")
-    _nb1_refused(nb, check, dict(base), tracked, calls="labkit.memory")
 
 
 # ---- notebooks 06, 07, 09, 10, 11 (nb3) --------------------------------------------------------------------
@@ -440,7 +419,7 @@ def test_notebook_07s_exercise_checks_refuse_the_library_by_any_route():
     nb, block = "07_kv_cache_paged_attention.ipynb", 16
 
     def fresh_tables(capacity, **options):
-        return BlockTables(BlockAllocator(capacity // block, block), **options)
+        return paged.serving_tables(BlockAllocator(capacity // block, block), **options)
 
     prompts = [list(range(i, i + 40 + i)) for i in range(20)]
     base = dict(lk=lk, paged=paged, BLOCK=block, shared_prompts=prompts, Counter=Counter, NOW=NOW, LATER=LATER,

@@ -4,11 +4,12 @@ import collections
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from labkit.paged import LATER, NEVER, NOW, BlockAllocator, BlockTables, OutOfBlocks, block_hashes
+from labkit.paged import (LATER, NEVER, NOW, BlockAllocator, BlockTables, OutOfBlocks, PrefixCachingAllocator,
+                          block_hashes, serving_tables)
 
 
 def test_can_allocate_now_later_never_with_a_watermark():
-    t = BlockTables(BlockAllocator(10, block_size=4), watermark=0.2)          # 2 blocks kept free
+    t = serving_tables(BlockAllocator(10, block_size=4), watermark=0.2)          # 2 blocks kept free
     assert t.watermark_blocks == 2
     assert t.can_allocate(8 * 4) == NOW                                      # 8 blocks, 2 left
     assert t.can_allocate(8 * 4 + 1) == NEVER                                # 9 blocks: never with 2 kept free
@@ -19,23 +20,23 @@ def test_can_allocate_now_later_never_with_a_watermark():
     t.add("b", 8 * 4)
     t.append("b", 2 * 4)                                                     # running sequences may use the watermark
     assert t.allocator.num_free == 0 and t.can_allocate(1) == LATER
-    assert BlockTables(BlockAllocator(4, 4)).can_allocate(16) == NOW         # no watermark: the whole pool
+    assert serving_tables(BlockAllocator(4, 4)).can_allocate(16) == NOW         # no watermark: the whole pool
 
 
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="watermark must be a fraction of the blocks in \\[0, 1\\), got 1.5"):
-        BlockTables(BlockAllocator(4), watermark=1.5)
+        serving_tables(BlockAllocator(4), watermark=1.5)
     with pytest.raises(ValueError, match="host must be a BlockAllocator with block_size 16"):
-        BlockTables(BlockAllocator(4), host=BlockAllocator(4, block_size=8))
+        serving_tables(BlockAllocator(4), host=BlockAllocator(4, block_size=8))
     with pytest.raises(TypeError, match="allocator must be a BlockAllocator, got int"):
         BlockTables(4)
-    t = BlockTables(BlockAllocator(4, 4))
+    t = serving_tables(BlockAllocator(4, 4))
     with pytest.raises(ValueError, match="tokens must be >= 0, got -1"):
         t.add("a", -1)
     with pytest.raises(TypeError, match="tokens must be a count or a sequence of token ids, got 'abc'"):
         t.add("a", "abc")
     with pytest.raises(ValueError, match="prefix caching needs the token ids, got the count 5"):
-        BlockTables(BlockAllocator(4, 4), prefix_caching=True).add("a", 5)
+        serving_tables(PrefixCachingAllocator(4, 4), prefix_caching=True).add("a", 5)
     with pytest.raises(ValueError, match="swap_out needs a host pool"):
         t.add("a", 1) or t.swap_out("a")
 
@@ -63,7 +64,7 @@ def test_copies_are_taken_once_per_step():
 
 def test_swap_out_and_in_keeps_tokens_sharing_and_counts():
     gpu, host = BlockAllocator(6, 4), BlockAllocator(4, 4)
-    t = BlockTables(gpu, host=host)
+    t = serving_tables(gpu, host=host)
     t.add("p", 6)                                    # blocks 0, 1
     t.fork("p", "c")                                 # shares both
     t.add("x", 4)                                    # block 2
@@ -81,12 +82,12 @@ def test_swap_out_and_in_keeps_tokens_sharing_and_counts():
 
 
 def test_swap_is_all_or_nothing():
-    t = BlockTables(BlockAllocator(4, 4), host=BlockAllocator(1, 4))
+    t = serving_tables(BlockAllocator(4, 4), host=BlockAllocator(1, 4))
     t.add("a", 8)
     with pytest.raises(OutOfBlocks, match="host pool"):
         t.swap_out("a")
     assert t.tables["a"] == [0, 1] and t.host.num_free == 1
-    t2 = BlockTables(BlockAllocator(2, 4), host=BlockAllocator(4, 4))
+    t2 = serving_tables(BlockAllocator(2, 4), host=BlockAllocator(4, 4))
     t2.add("a", 8)
     t2.swap_out("a")
     t2.add("b", 4)
@@ -106,8 +107,8 @@ def test_block_hashes_chain_the_prefix():
 
 
 def test_prefix_caching_shares_full_blocks_and_evicts_lru():
-    alloc = BlockAllocator(6, block_size=4)
-    t = BlockTables(alloc, prefix_caching=True)
+    alloc = PrefixCachingAllocator(6, block_size=4)
+    t = serving_tables(alloc, prefix_caching=True)
     system = list(range(100, 108))                                   # two full blocks
     assert t.add("a", system + [1, 2]) == 0
     assert t.add("b", system + [3]) == 8, "both system blocks found"
@@ -127,8 +128,8 @@ def test_prefix_caching_shares_full_blocks_and_evicts_lru():
 
 
 def test_prefix_cache_counts_only_blocks_in_use_as_free_to_share():
-    alloc = BlockAllocator(3, block_size=4)
-    t = BlockTables(alloc, prefix_caching=True)
+    alloc = PrefixCachingAllocator(3, block_size=4)
+    t = serving_tables(alloc, prefix_caching=True)
     t.add("a", list(range(8)))
     assert t.can_allocate(list(range(8)) + [9]) == NOW, "2 shared blocks + 1 new fit in the 1 free"
     assert t.can_allocate(list(range(50, 58))) == LATER
@@ -139,8 +140,8 @@ def test_prefix_cache_counts_only_blocks_in_use_as_free_to_share():
 
 
 def test_prefix_blocks_are_named_as_they_fill():
-    alloc = BlockAllocator(8, block_size=4)
-    t = BlockTables(alloc, prefix_caching=True)
+    alloc = PrefixCachingAllocator(8, block_size=4)
+    t = serving_tables(alloc, prefix_caching=True)
     t.add("a", [1, 2, 3])
     t.append("a", [4])                                              # fills block 0 during decoding
     t.append("a", [5, 6, 7, 8, 9])
@@ -153,11 +154,12 @@ def invariants(t):
     for pool, tables in ((t.allocator, t.tables), (t.host, {s: tb for s, (tb, _) in t.swapped.items()})):
         owners = collections.Counter(b for table in tables.values() for b in table)
         assert all(pool.ref_count[b] == owners.get(b, 0) for b in range(pool.num_blocks))
-        free = sorted(pool.free_list + list(pool.evictor))
+        evictor, cached, hash_of = (getattr(pool, name, {}) for name in ("evictor", "cached", "hash_of"))
+        free = sorted(pool.free_list + list(evictor))
         assert free == [b for b in range(pool.num_blocks) if owners.get(b, 0) == 0], "free = unowned, each once"
-        assert not set(pool.free_list) & set(pool.evictor)
-        assert set(pool.evictor) <= set(pool.hash_of) and {pool.cached[h] for h in pool.cached} == set(pool.hash_of)
-        assert all(pool.hash_of[b] == h for h, b in pool.cached.items())
+        assert not set(pool.free_list) & set(evictor)
+        assert set(evictor) <= set(hash_of) and {cached[h] for h in cached} == set(hash_of)
+        assert all(hash_of[b] == h for h, b in cached.items())
     bs = t.allocator.block_size
     for s, table in t.tables.items():
         assert len(table) == -(-t.lengths[s] // bs)
@@ -177,7 +179,8 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "append", "fork", "free", "swap
 @settings(max_examples=300, deadline=None)
 @given(ops, st.integers(1, 4), st.booleans())
 def test_no_block_lost_or_double_counted_with_swapping_and_prefix_sharing(operations, block_size, caching):
-    t = BlockTables(BlockAllocator(10, block_size), host=BlockAllocator(6, block_size), prefix_caching=caching)
+    device = (PrefixCachingAllocator if caching else BlockAllocator)(10, block_size)
+    t = serving_tables(device, host=BlockAllocator(6, block_size), prefix_caching=caching)
     for op, seq, n, prompt in operations:
         tokens = [prompt] * n if caching else n          # three prompts that share prefixes with each other
         try:

@@ -4,28 +4,13 @@ from fractions import Fraction
 import pytest
 import torch
 
-from labkit.parallel import balanced_split, launch, replay
+from labkit.launch import launch
+from labkit.parallel import balanced_split, gpipe, one_f_one_b, replay
 
 
 def bubbles(timeline):
     step = max(end for stage in timeline for *_, end in stage)
     return [1 - Fraction(sum(end - start for *_, start, end in stage), step) for stage in timeline]
-
-
-def gpipe(p, m):
-    return [[("F", c) for c in range(m)] + [("B", c) for c in range(m)] for _ in range(p)]
-
-
-def one_f_one_b(p, m):
-    orders = []
-    for s in range(p):
-        warm = min(p - 1 - s, m)
-        order = [("F", c) for c in range(warm)]
-        for c in range(m - warm):                       # steady state: one forward, one backward
-            order += [("F", warm + c), ("B", c)]
-        order += [("B", c) for c in range(m - warm, m)]
-        orders.append(order)
-    return orders
 
 
 @pytest.mark.parametrize("schedule", [gpipe, one_f_one_b])
@@ -74,6 +59,8 @@ def test_sharded_layers_and_the_pipeline_in_one_torchrun():
     assert head > layer and pp["split"][0][1] - pp["split"][0][0] > pp["split"][1][1] - pp["split"][1][0]
     for (name, m, rank), x in rows.items():             # what the schedule ran, replayed in unit time
         assert sorted(x["events"])[0][2] >= 0 and len(x["events"]) == 2 * m
+        ran = [(k, c) for k, c, *_ in x["events"]]
+        assert ran == {"GPipe": gpipe, "1F1B": one_f_one_b}[name](2, m)[rank], (name, m, rank, "torch's order is labkit's")
     for name in ("GPipe", "1F1B"):
         for m in pp["microbatches"]:
             orders = [[(k, c) for k, c, *_ in rows[(name, m, s)]["events"]] for s in range(2)]

@@ -97,3 +97,25 @@ def test_nontrivial_names_what_is_wrong_with_odd_arrays_and_lists():
         lk.nontrivial(complex("nan"))
     with pytest.raises(TypeError, match="what must say what the value is, .*got None"):
         lk.nontrivial(np.arange(3), None)
+
+
+def test_forbidding_a_package_forbids_its_submodules_code(tmp_path, monkeypatch):
+    """labkit.memory and labkit.estimate are packages: their code lives in submodules."""
+    pkg = tmp_path / "taughtpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .inner import helper\n")
+    (pkg / "inner.py").write_text("class Tracker:\n    def run(self):\n        return 3\n\ndef helper():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import taughtpkg
+    from taughtpkg.inner import Tracker
+    _refused(lambda: Tracker().run(), forbid=[taughtpkg])
+    _refused(lambda: taughtpkg.helper(), forbid=[taughtpkg])
+
+
+def test_reveal_names_a_modelled_figure_as_a_model(capsys):
+    gaps = lk.reveal("peak reserved", None, 110, 100, unit="MiB", measured_label="modelled")
+    out = capsys.readouterr().out
+    assert "modelled" in out and "vs modelled" in out and "measured" not in out
+    assert gaps == {"estimate": pytest.approx(0.1), "measured": 0.0}
+    with pytest.raises(ValueError, match="measured_label must be a non-empty string"):
+        lk.reveal("x", None, 1, 1, unit="MiB", measured_label="")

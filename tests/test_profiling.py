@@ -56,6 +56,23 @@ def test_timeline_at_the_peak_agrees_with_track(profiled):
     assert sum(raw.values()) == prof.peak and "OPTIMIZER_STATE" in raw
 
 
+def test_the_tensors_live_at_the_peak_add_up_to_the_timeline_and_name_autograd_detail(step, profiled):
+    """live_at_peak replays the memory events itself: its sizes sum, category by category, to the
+    coalesced timeline's at the peak; an AUTOGRAD_DETAIL tensor (what backward makes that is not a
+    parameter's gradient) is never larger than the logits, the largest thing backward makes."""
+    model, _, _ = step
+    _, prof = profiled
+    live = prof.live_at_peak()
+    by = {}
+    for category, size in live:
+        by[str(category)] = by.get(str(category), 0) + size
+    assert by == {c: b for c, b in prof.peak_parts(raw=True).items() if b}
+    assert sum(size for _, size in live) == prof.peak
+    logits = 2 * 32 * model.config.vocab_size * 4
+    detail = [size for category, size in live if category == "AUTOGRAD_DETAIL"]
+    assert max(detail, default=0) <= logits
+
+
 def test_trace_top_and_counts(step, profiled):
     model, _, _ = step
     _, prof = profiled

@@ -8,7 +8,7 @@ import torch
 
 import labkit as lk
 from labkit import records
-from labkit.cli import _figure
+from labkit.units import fmt_figure as _figure
 
 
 @pytest.fixture

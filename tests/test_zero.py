@@ -4,7 +4,7 @@ import torch
 
 from labkit import zero
 from labkit.estimate import model_states
-from labkit.parallel import launch
+from labkit.launch import launch
 
 
 @pytest.mark.parametrize("numel, world", [(1, 1), (7, 2), (8, 2), (10, 4), (5, 8), (231, 2)])
@@ -66,7 +66,7 @@ def test_sharded_steps_on_two_gloo_ranks_match_one_process():
 def one_rank():
     """A process group of one (gloo, in this process): the engine's code paths without torchrun."""
     import torch.distributed as dist
-    from labkit.parallel import _free_port
+    from labkit.launch import _free_port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

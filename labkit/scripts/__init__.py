@@ -1,1 +1,1 @@
-"""Scripts that `torchrun` starts, one process per rank (notebook 09; `labkit.parallel.launch`)."""
+"""Scripts that `torchrun` starts, one process per rank (notebooks 09 and 10; `labkit.launch.launch`)."""

@@ -1,4 +1,4 @@
-"""Run several torchrun scripts one after another in the same ranks (`labkit.parallel.launch([...])`).
+"""Run several torchrun scripts one after another in the same ranks (`labkit.launch.launch([...])`).
 
 torchrun -m labkit.scripts.chain labkit.scripts.tensor_parallel labkit.scripts.pipeline_parallel
 The ranks join the process group once (a second `init_process_group` in the same processes can hang)
@@ -11,8 +11,12 @@ import sys
 
 import torch.distributed as dist
 
+from labkit.launch import progress
+
 
 def main():
+    progress(f"Python and torch loaded; importing {', '.join(name.rsplit('.', 1)[-1] for name in sys.argv[1:])}",
+             every_rank=True)
     results = os.environ.get("LABKIT_RESULT", "").split(os.pathsep)
     os.environ["LABKIT_CHAINED"] = "1"
     for i, name in enumerate(sys.argv[1:]):

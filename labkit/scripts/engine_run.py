@@ -1,7 +1,9 @@
 """One engine, one model, one process (started by `labkit.engines.run`): build, time, measure, save.
 
 Reads <workdir>/input-<model>-b<batch>-i<image>.npy; writes <workdir>/<tag>.json (the fields of
-`labkit.engines.EngineResult`) and <tag>.npy (the output, fp32). ONNX Runtime runs the .onnx file that
+`labkit.engines.EngineResult`) and <tag>.npy (the output, fp32). Before each reading of its resident
+memory it asks glibc to give back the free pages malloc keeps (`give_back_free_pages`); it counts the
+minor page faults of the timed calls (`resource.getrusage`: pages touched for the first time). ONNX Runtime runs the .onnx file that
 `labkit.engines.run` exported beside the input: that process imports onnxruntime and NumPy only.
 """
 import argparse
@@ -9,6 +11,7 @@ import contextlib
 import gc
 import json
 import pathlib
+import resource
 import statistics
 import sys
 import time
@@ -26,6 +29,27 @@ def rss():
                 key, value = line.split(":")
                 found[key] = int(value.split()[0]) * 1024          # kB
     return found["VmRSS"], found["VmHWM"]
+
+
+def file_backed():
+    """Resident bytes of this process that are pages of files (libraries' code and data read from disk: RssFile)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split(":")[1].split()[0]) * 1024
+    return 0
+
+
+def give_back_free_pages():
+    """Ask glibc's malloc to return the free pages it keeps to the system (`malloc_trim(0)`), so that RSS
+    shows what the engine holds rather than what malloc caches for later; False where there is no glibc."""
+    import ctypes
+    try:
+        trim = ctypes.CDLL(None).malloc_trim      # the process's own symbols: glibc's, if it is glibc
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
 
 
 def reset_peak():
@@ -114,25 +138,33 @@ def main(argv=None):
         sync()
         build_s = time.perf_counter() - start
         gc.collect()
+        trimmed = give_back_free_pages()
         loaded, _ = rss()                        # model and engine loaded, nothing run yet (but inductor's compile)
+        loaded_file = file_backed()
         reset_peak()
         out = fn(x)                              # warm-up: arenas and workspaces grow here
         sync()
         times = []
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt   # pages touched for the first time (minor faults)
         for _ in range(args.repeat):
             sync()
             t0 = time.perf_counter()
             out = fn(x)
             sync()
             times.append(time.perf_counter() - t0)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        gc.collect()
+        give_back_free_pages()                   # what stays is the engine's: an arena's blocks, not malloc's cache
         now, peak = rss()
+        kept_file = file_backed() - loaded_file  # code pages the first calls read in: not the engine's data
     out = out[0] if isinstance(out, (tuple, list)) else out
     if not isinstance(out, np.ndarray):
         out = out.detach().float().cpu().numpy()
     np.save(workdir / f"{args.tag}.npy", out.astype(np.float32))
     result = dict(engine=args.engine, model=args.model, latency_s=statistics.median(times), times=times,
                   build_s=build_s, loaded_bytes=loaded, extra_peak_bytes=max(peak - loaded, 0),
-                  kept_bytes=max(now - loaded, 0),
+                  kept_bytes=max(now - loaded, 0), malloc_trimmed=trimmed, minor_faults=faults,
+                  kept_file_bytes=max(kept_file, 0),
                   artifact=str(artifact) if artifact is not None else None,
                   artifact_bytes=artifact.stat().st_size if artifact is not None else None,
                   output=str(workdir / f"{args.tag}.npy"), arena=bool(args.arena),

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import labkit as lk
-from labkit.parallel import finish, init, progress, write_result
+from labkit.launch import finish, init, progress, write_result
 from labkit.scripts import zero_scratch
 from labkit.scripts.zero_scratch import LR, PARAM_TOL, LOSS_TOL, batches, loss_of, mean_over_ranks, reference
 
@@ -107,7 +107,11 @@ def main():
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = fsdp(zero_scratch.llama(torch.float32, dev)[0], mesh, mp_policy=policy)
     seen = []                                          # the dtype a projection computes with
-    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, args, y: seen.append(str(m.weight.dtype)))
+
+    def note_dtype(module, args, y):
+        seen.append(str(module.weight.dtype))
+
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(note_dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     losses, mem = train(model, opt, data, 2, track_last=True)
     assert abs(losses[0] / ref_losses[0] - 1) < BF16_LOSS_TOL, (losses, ref_losses)

@@ -8,6 +8,7 @@ a warm-up step and then a recorded step with the same stage and schedule objects
 stage ran each forward and backward chunk, in the order the schedule chose, and its peak memory; the
 last rank checks the loss against the unsplit model.
 """
+import functools
 import time
 
 import torch
@@ -17,7 +18,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils.flop_counter import FlopCounterMode
 
 import labkit as lk
-from labkit.parallel import balanced_split, finish, init, progress, write_result
+from labkit.launch import finish, init, progress, write_result
+from labkit.parallel import balanced_split
 
 BATCH, SEQ = 16, 64
 MICROBATCHES = (2, 4, 8)
@@ -58,18 +60,25 @@ def block_flops(model, ids):
     4·T²·h FLOPs per layer are left out (a few percent of a layer at T = 64); on a GPU they count."""
     h = model.model.embed_tokens(ids).detach().requires_grad_()        # (1, T, h)
     pe = model.model.rotary_emb(h, torch.arange(ids.shape[1], device=ids.device)[None])
-    blocks = [lambda x, layer=layer: layer(x, position_embeddings=pe, attention_mask=None) for layer in model.model.layers]
-    blocks.append(lambda x: loss_fn(model.lm_head(model.model.norm(x)), ids))
+
+    def decoder_layer(layer, x):
+        return layer(x, position_embeddings=pe, attention_mask=None)
+
+    def head_and_loss(x):
+        return loss_fn(model.lm_head(model.model.norm(x)), ids)
+
+    blocks = [functools.partial(decoder_layer, layer) for layer in model.model.layers] + [head_and_loss]
     out = []
     for block in blocks:
-        result = {}
-        y = None
+        outputs = []
+
         def forward():
-            nonlocal y
-            y = block(h)
-        result["F"] = flops(forward)
-        result["B"] = flops(lambda: y.backward(torch.ones_like(y)))
-        out.append(result)
+            outputs.append(block(h))
+
+        def backward():
+            outputs[0].backward(torch.ones_like(outputs[0]))
+
+        out.append({"F": flops(forward), "B": flops(backward)})
     model.zero_grad(set_to_none=True)
     return out                                                       # the embedding: a lookup, 0 FLOPs
 

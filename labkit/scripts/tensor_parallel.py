@@ -13,7 +13,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import labkit as lk
 from labkit.estimate import activation_bytes_per_token
-from labkit.parallel import finish, init, COMM, ParallelAttention, ParallelMLP, progress, write_result
+from labkit.launch import finish, init, progress, write_result
+from labkit.parallel import COMM, ParallelAttention, ParallelMLP
 
 B, T = 4, 64
 # fp32 sums in a different order on each rank: agreement to ~1e-6 relative, so rtol 1e-4 is generous
@@ -44,11 +45,26 @@ def check_block(name, block, parallel, x, extra=()):
                 full_activations=mem_ref.at("end")["activations"] + mem_ref.at("end")["other"])
 
 
+class UnshardedAttention(torch.nn.Module):
+    """The unsharded attention with ParallelAttention's call signature: (h, position_embeddings)."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, h, pe):
+        return self.attn(h, position_embeddings=pe, attention_mask=None)
+
+
+def full(t):
+    """A DTensor's whole value (a plain tensor as it is)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def main():
     dev = init()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    progress(f"{world} ranks joined the process group ({dist.get_backend()})")
     model = lk.models.build("llama-2-7b", "tiny", seed=0, device=dev)
     cfg, layer = model.config, model.model.layers[0]
     x = torch.randn(B, T, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(dev)
@@ -56,19 +72,15 @@ def main():
 
     mlp = ParallelMLP(layer.mlp, rank, world)
     result = {"world": world, "tokens": B * T, "hidden": cfg.hidden_size, "mlp": check_block("mlp", layer.mlp, mlp, x)}
-    shard = lambda w, dim: w.grad.chunk(world, dim)[rank]
+
+    def shard(w, dim):                          # this rank's slice of an unsharded weight's gradient
+        return w.grad.chunk(world, dim)[rank]
+
     torch.testing.assert_close(mlp.gate.weight.grad, shard(layer.mlp.gate_proj.weight, 0), **TOL)
     torch.testing.assert_close(mlp.down.weight.grad, shard(layer.mlp.down_proj.weight, 1), **TOL)
 
     attn = ParallelAttention(layer.self_attn, rank, world)
-    ref_attn = lambda h, pe: layer.self_attn(h, position_embeddings=pe, attention_mask=None)
-    class Ref(torch.nn.Module):                 # the unsharded attention with the same call signature
-        def __init__(self):
-            super().__init__()
-            self.attn = layer.self_attn
-        def forward(self, h, pe):
-            return ref_attn(h, pe)
-    result["attention"] = check_block("attention", Ref(), attn, x, (pe,))
+    result["attention"] = check_block("attention", UnshardedAttention(layer.self_attn), attn, x, (pe,))
     torch.testing.assert_close(attn.q.weight.grad, shard(layer.self_attn.q_proj.weight, 0), **TOL)
     torch.testing.assert_close(attn.o.weight.grad, shard(layer.self_attn.o_proj.weight, 1), **TOL)
     result["estimated_activation_bytes_per_token_unsharded"] = activation_bytes_per_token(cfg, T, "fp32")
@@ -90,7 +102,6 @@ def main():
         loss.backward()
         losses.append(loss.item())
     assert abs(losses[0] - losses[1]) < 1e-5, losses
-    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t
     for p, p_ref in zip(tp.parameters(), ref.parameters()):
         torch.testing.assert_close(full(p.grad), p_ref.grad, **TOL)
     for opt in opts:

@@ -29,7 +29,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SETTINGS = ["", "max_split_size_mb:64", "roundup_power2_divisions:4", "expandable_segments:True",
+SETTINGS = ["", "max_split_size_mb:128", "roundup_power2_divisions:4", "expandable_segments:True",
             "garbage_collection_threshold:0.5"]
 PHASE_DEVICE = 500 << 20
 

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 import labkit as lk
 from labkit import zero
-from labkit.parallel import finish, init, process_group_calls, progress, write_result
+from labkit.collectives import process_group_calls
+from labkit.launch import finish, init, progress, write_result
 
 GLOBAL_BATCH, SEQ, STEPS, LR = 4, 64, 3, 1e-3
 # fp32 on both sides; only the order of the sums differs (each rank sums half the batch, then the

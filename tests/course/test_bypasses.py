@@ -20,7 +20,7 @@ NOTEBOOKS = {p.name[:2]: p for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipyn
 # (exercise id, what the refusal must name (any one of these), the answer that calls the taught code)
 BYPASSES = {
     "00": [
-        ("00-ex1", ["labkit.estimate._storage_bytes"], """
+        ("00-ex1", ["labkit.estimate._storage_bytes", "labkit.estimate.step.storage_bytes"], """
             from labkit.estimate import _storage_bytes
 
             def storage_bytes(tensors, _count=_storage_bytes):
@@ -68,16 +68,31 @@ BYPASSES = {
             """),
     ],
     "07": [
-        ("07-ex1", ["labkit.paged.block_hashes"], """
+        ("07-ex1", ["labkit.paged.prefix.block_hashes"], """
             def my_block_hashes(token_ids, block_size, _lib=paged.block_hashes):
                 return _lib(token_ids, block_size)
             """),
         ("07-ex2", ["labkit.paged"], """
             def admission(free_blocks, total_blocks, need, watermark_blocks):
-                tables = BlockTables(BlockAllocator(total_blocks, BLOCK), watermark=(watermark_blocks + 0.5) / total_blocks)
+                tables = serving_tables(BlockAllocator(total_blocks, BLOCK), watermark=(watermark_blocks + 0.5) / total_blocks)
                 if total_blocks > free_blocks:
                     tables.add("others", (total_blocks - free_blocks) * BLOCK)
                 return tables.can_allocate(need * BLOCK)
+            """),
+        ("07-ex3", ["labkit.paged.tables"], """
+            def my_append(allocator, table, length, count):
+                tables = BlockTables(allocator)
+                tables.tables["s"], tables.lengths["s"] = table, length
+                tables.append("s", count)
+                return tables.lengths["s"]
+            """),
+        ("07-ex4", ["labkit.paged.tables"], """
+            def my_write_token(allocator, table, length, copies):
+                tables = BlockTables(allocator)
+                tables.tables["s"], tables.lengths["s"] = table, length
+                tables.append("s", 1)
+                copies.extend(tables.take_copies())
+                return tables.lengths["s"]
             """),
     ],
     "08": [
@@ -94,6 +109,18 @@ BYPASSES = {
 
             def combine(o_parts, lse_parts):
                 return combine_parts(o_parts, lse_parts)[0]
+            """),
+    ],
+    "09": [
+        ("09-ex3", ["labkit.parallel.CopyToParallel.backward", "labkit.parallel.ReduceFromParallel.forward"], """
+            import labkit.parallel as _par
+
+            _par.counted_all_reduce = all_reduce        # labkit's f and g, their all-reduce the simulated one
+            Copy, Reduce = _par.CopyToParallel, _par.ReduceFromParallel
+            """),
+        ("09-ex4", ["labkit.parallel.one_f_one_b"], """
+            def one_f_one_b_order(p, m, _schedule=par.one_f_one_b):
+                return _schedule(p, m)
             """),
     ],
     "10": [
@@ -122,6 +149,20 @@ BYPASSES = {
             def chunked_ce_forward(hidden, weight, targets, chunk):
                 lse, target_logit = chunked_lse_and_target(hidden, weight, targets, chunk=chunk)
                 return lse - target_logit
+            """),
+    ],
+    "13": [
+        ("13-ex1", ["labkit.estimate"], """
+            def states_8bit_adam(params):
+                e = lk.estimate(GOAL["model"], batch=1, seq=GOAL["seq"], dtype="mixed", optimizer="adamw-8bit",
+                                method="formula")
+                return e.parts["parameters"] + e.parts["gradients"] + e.parts["optimizer"]
+            """),
+        ("13-ex2", ["labkit.plan.offload_seconds"], """
+            from labkit.plan import offload_seconds
+
+            def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
+                return offload_seconds(2 * params, "optimizer", accum, params, {"pcie_bps": pcie_bps})
             """),
     ],
 }

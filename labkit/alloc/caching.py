@@ -1,241 +1,25 @@
-"""A model of PyTorch's CUDA caching allocator (`c10/cuda/CUDACachingAllocator.cpp`) that runs on a CPU.
+"""The caching allocator itself, one device and one stream: pools of cached blocks, best fit, splitting and
+merging, segments from the device, the out-of-memory path, garbage collection and expandable segments.
 
-It replays an allocation trace (what `lk.track()` records, or any list of `(key, +bytes)` allocations and
-`(key, -bytes)` frees) through the same rules as the real allocator, one stream, one device:
-
-- sizes rounded to 512 B, or to 1/d steps between powers of two with `roundup_power2_divisions`;
-- a small pool (requests <= 1 MiB, carved from 2 MiB segments) and a large pool (requests < 10 MiB get a
-  20 MiB segment, larger ones a segment rounded up to 2 MiB);
-- best fit (the smallest cached block that holds the request, lowest address on ties), the split rules,
-  `max_split_size_mb` (oversize blocks are never split and not handed to small requests);
-- coalescing of free neighbours on free; nothing returns to the device on free;
-- `empty_cache()`: only wholly free segments go back; `garbage_collection_threshold` under a memory
-  fraction below 1.0 (`set_memory_fraction` sets no limit at 1.0, so no GC runs there);
-  `expandable_segments` (one virtual range per pool, mapped in pages);
-- the out-of-memory path: release oversize cached blocks, then every free segment, retry, else raise.
-
-The rules were read from the source (see ../shared/ALLOCATOR.md); what the model leaves out: streams
-and events (`record_stream`), CUDA graphs' private pools, the CUDA context and other processes on the
-device, and the rare partial page mapping of expandable segments before an out-of-memory error (the
-model maps all pages of a request or none).
-
-    a = Allocator("max_split_size_mb:64", device="40 GiB")
-    r = replay(mem.trace, "expandable_segments:True")     # r.peak_reserved, r.reserved (over time)
-    smallest_device(mem.trace, "")                        # bytes, by bisection
+Read from PyTorch's `c10/cuda/CUDACachingAllocator.cpp` (`DeviceCachingAllocator`: `malloc`, `get_free_block`,
+`should_split`, `alloc_found_block`, `try_merge_blocks`, `alloc_block`, `release_available_cached_blocks`,
+`release_cached_blocks`, `garbage_collect_cached_blocks`, `ExpandableSegment`). Not modelled: streams and
+events (`record_stream`), CUDA graphs' private pools, the CUDA context and other processes on the device, and
+the rare partial page mapping of expandable segments before an out-of-memory error (the model maps all pages
+of a request or none).
 """
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from .units import MiB, fmt_bytes, parse_bytes
+from ..units import MiB, fmt_bytes, parse_bytes
+from .config import (K_MIN_BLOCK, K_SMALL_BUFFER, K_SMALL_SIZE, SIZE_MAX, Config, allocation_size,
+                     parse_conf, round_size)
 
-__all__ = ["Config", "parse_conf", "round_size", "allocation_size", "Allocator", "Block", "Replay",
-           "replay", "smallest_device", "KNOWN_KEYS", "IGNORED_KEYS",
-           "growing_batch", "pinned_holes", "phases"]
-
-K_MIN_BLOCK = 512               # kMinBlockSize
-K_SMALL_SIZE = MiB              # kSmallSize: the largest "small" request
-K_SMALL_BUFFER = 2 * MiB        # kSmallBuffer: small-pool segments
-K_MIN_LARGE_ALLOC = 10 * MiB    # kMinLargeAlloc: below this a large request gets a large_segment_size segment
-K_ROUND_LARGE = 2 * MiB         # kRoundLarge
-K_INTERVALS = 16                # kRoundUpPowerOfTwoIntervals, from 1 MiB up
-SIZE_MAX = 2 ** 64 - 1          # "unlimited" max_split_size, as in the source
-
-KNOWN_KEYS = ("max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
-              "roundup_power2_divisions", "expandable_segments", "large_segment_size_mb",
-              "per_process_memory_fraction")
-# Keys PyTorch 2.13 accepts that do not change the device allocator's decisions (host/pinned memory,
-# locking, graphs): accepted, no effect on the model.
-IGNORED_KEYS = ("release_lock_on_cudamalloc", "pinned_use_cuda_host_register", "pinned_num_register_threads",
-                "pinned_use_background_threads", "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb",
-                "pinned_reserve_segment_size_mb", "pinned_free_catch_all", "graph_capture_record_stream_reuse",
-                "throw_on_cudamalloc_oom", "backend")
-
-
-@dataclass(frozen=True)
-class Config:
-    """The allocator settings, as parsed from a `PYTORCH_CUDA_ALLOC_CONF` string."""
-    max_split_size: int = SIZE_MAX
-    max_non_split_rounding: int = 20 * MiB
-    garbage_collection_threshold: float = 0.0
-    roundup_power2_divisions: tuple = (0,) * K_INTERVALS
-    expandable_segments: bool = False
-    large_segment_size: int = 20 * MiB
-    per_process_memory_fraction: float | None = None
-    text: str = ""
-
-
-def _tokens(text):
-    out, buf = [], ""
-    for ch in text:
-        if ch in ",:[]":
-            if buf:
-                out.append(buf)
-                buf = ""
-            out.append(ch)
-        elif not ch.isspace():
-            buf += ch
-    if buf:
-        out.append(buf)
-    return out
-
-
-def _int(value, key):
-    if not isinstance(value, str):             # a bracketed list where one number belongs: key:[64]
-        raise ValueError(f"{key} must be an integer, got [{''.join(value)}]")
-    try:
-        v = int(value)
-    except ValueError:
-        raise ValueError(f"{key} must be an integer, got {value!r}") from None
-    if v < 0:
-        raise ValueError(f"{key} must not be negative, got {value!r}")
-    return v
-
-
-def _pow2(v):
-    return v > 0 and v & (v - 1) == 0
-
-
-def parse_conf(text=""):
-    """Parse a `PYTORCH_CUDA_ALLOC_CONF` string ("key:value,key:[a:b,>:c]") into a `Config`.
-
-    Unknown keys raise `ValueError` naming the key, as PyTorch does ("Unrecognized key").
-    """
-    if isinstance(text, Config):
-        return text
-    if text is None:
-        text = ""
-    if not isinstance(text, str):
-        raise TypeError(f"conf must be a PYTORCH_CUDA_ALLOC_CONF string, got {type(text).__name__}")
-    tok = _tokens(text)
-    kw, i = {}, 0
-    # large_segment_size_mb first, wherever it stands: the two sizes below must be at least it, and
-    # max_non_split_rounding defaults to it (AcceleratorAllocatorConfig::parseArgs reads it first too).
-    segment_mb = 20
-    for k in range(len(tok) - 2):
-        if tok[k] == "large_segment_size_mb" and tok[k + 1] == ":":
-            value = tok[k + 2]
-            if value == "[":
-                value = tok[k + 3:tok.index("]", k) if "]" in tok[k:] else len(tok)]
-            segment_mb = _int(value, "large_segment_size_mb")
-            if segment_mb <= K_MIN_LARGE_ALLOC // MiB:
-                raise ValueError(f"large_segment_size_mb must be > {K_MIN_LARGE_ALLOC // MiB} MB, got {segment_mb}")
-    kw["max_non_split_rounding"] = kw["large_segment_size"] = segment_mb * MiB
-    while i < len(tok):
-        key = tok[i]
-        if key == ",":
-            i += 1
-            continue
-        if key not in KNOWN_KEYS and key not in IGNORED_KEYS:
-            raise ValueError(f"Unrecognized key {key!r} in PYTORCH_CUDA_ALLOC_CONF {text!r}; "
-                             f"the allocator knows {sorted(KNOWN_KEYS + IGNORED_KEYS)}")
-        if i + 2 >= len(tok) or tok[i + 1] != ":":
-            raise ValueError(f"{key} needs a value (key:value) in {text!r}")
-        i += 2
-        if tok[i] == "[":
-            j = tok.index("]", i) if "]" in tok[i:] else None
-            if j is None:
-                raise ValueError(f"{key}: expected a closing ']' in {text!r}")
-            value, i = tok[i + 1:j], j + 1
-        else:
-            value, i = tok[i], i + 1
-        if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
-            v = _int(value, key)
-            if v < segment_mb:
-                raise ValueError(f"{key} too small, must be >= {segment_mb} (large_segment_size_mb), got {v}")
-            kw["max_split_size" if key == "max_split_size_mb" else "max_non_split_rounding"] = \
-                min(v, SIZE_MAX // MiB) * MiB
-        elif key == "large_segment_size_mb":
-            pass                                      # read above
-        elif key == "garbage_collection_threshold":
-            try:
-                v = float(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"garbage_collection_threshold must be a number, got {value!r}") from None
-            if not 0.0 < v < 1.0:
-                raise ValueError(f"garbage_collection_threshold must be in (0.0, 1.0), got {v}")
-            kw["garbage_collection_threshold"] = v
-        elif key == "per_process_memory_fraction":
-            try:
-                v = float(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"per_process_memory_fraction must be a number, got {value!r}") from None
-            if not 0.0 <= v <= 1.0:
-                raise ValueError(f"per_process_memory_fraction must be in [0.0, 1.0], got {v}")
-            kw["per_process_memory_fraction"] = v
-        elif key == "expandable_segments":
-            if value not in ("True", "False"):
-                raise ValueError(f"expandable_segments must be True or False, got {value!r}")
-            kw["expandable_segments"] = value == "True"
-        elif key == "roundup_power2_divisions":
-            kw["roundup_power2_divisions"] = _parse_divisions(value)
-        elif key == "backend" and value != "native":
-            raise ValueError(f"backend {value!r} is CUDA's own allocator (cudaMallocAsync), not the caching "
-                             "allocator this module models; use backend:native")
-    return Config(text=text, **kw)
-
-
-def _parse_divisions(value):
-    if isinstance(value, str):                      # one number for every interval
-        d = _int(value, "roundup_power2_divisions")
-        if not _pow2(d):         # PyTorch's single-number form: a power of 2 (0 only inside [...])
-            raise ValueError(f"roundup_power2_divisions must be a power of 2 (0 only in the [size:divisions] "
-                             f"form), got {d}")
-        return (d,) * K_INTERVALS
-    divs, first, last = [0] * K_INTERVALS, True, 0
-    items = [t for t in value if t != ","]
-    if len(items) % 3:
-        raise ValueError(f"roundup_power2_divisions list must hold size:divisions pairs, got {''.join(value)!r}")
-    for k in range(0, len(items), 3):
-        size, colon, d = items[k:k + 3]
-        d = _int(d, "roundup_power2_divisions")
-        if colon != ":" or d and not _pow2(d):
-            raise ValueError(f"roundup_power2_divisions divisions must be powers of 2 or 0, got {d}")
-        if size == ">":
-            divs[last + 1:] = [d] * (K_INTERVALS - last - 1)
-            continue
-        mb = _int(size, "roundup_power2_divisions interval")
-        if not _pow2(mb):
-            raise ValueError(f"roundup_power2_divisions intervals must be powers of 2 (MB), got {mb}")
-        idx = min(mb.bit_length() - 1, K_INTERVALS - 1)
-        if first:
-            divs[:idx] = [d] * idx
-            first = False
-        divs[idx], last = d, idx
-    return tuple(divs)
-
-
-def round_size(size, cfg=Config()):
-    """`round_size`: below 512 B -> 512 B; with d > 1 divisions and size > 512*d, up to the next 1/d step
-    between powers of two; otherwise up to a multiple of 512."""
-    if size < K_MIN_BLOCK:
-        return K_MIN_BLOCK
-    log = size.bit_length() - 1
-    idx = min(max(log - 20, 0), K_INTERVALS - 1)
-    d = cfg.roundup_power2_divisions[idx]
-    if d > 1 and size > K_MIN_BLOCK * d:
-        if size & (size - 1) == 0:
-            return size
-        floor = 1 << log
-        step = floor >> (d.bit_length() - 1)
-        if step == 0:
-            return floor << 1
-        down = size & ~(step - 1)
-        return size if down == size else down + step
-    return -(-size // K_MIN_BLOCK) * K_MIN_BLOCK
-
-
-def allocation_size(size, cfg=Config()):
-    """`get_allocation_size`: the segment a new device malloc gets for a rounded request."""
-    if size <= K_SMALL_SIZE:
-        return K_SMALL_BUFFER
-    if size < K_MIN_LARGE_ALLOC:
-        return cfg.large_segment_size
-    return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+__all__ = ["Allocator", "Block", "Pool"]
 
 
 class Block:
@@ -252,7 +36,9 @@ class Block:
         return f"<Block {state} {fmt_bytes(self.size)} at {self.ptr:#x}>"
 
 
-class _Pool:
+class Pool:
+    """One pool's cached free blocks (PyTorch's `BlockPool`): sorted by (size, address), so best fit is a bisection."""
+
     def __init__(self, small):
         self.small = small
         self.blocks = []          # sorted (size, ptr, block): the cached free blocks, best fit by bisect
@@ -276,6 +62,9 @@ class _Pool:
         i = bisect.bisect_left(self.unmapped, (b.ptr,))
         assert self.unmapped[i][1] is b, "unmapped set out of order"
         del self.unmapped[i]
+
+
+_Pool = Pool                               # the name before it was public
 
 
 class Allocator:
@@ -302,7 +91,7 @@ class Allocator:
         # set_memory_fraction sets no limit at 1.0 (`if (fraction < 1.0)` in DeviceCachingAllocator), and
         # garbage collection runs only under a limit: at 1.0 the threshold does nothing, as on a GPU.
         self.gc = fraction is not None and fraction < 1.0 and self.cfg.garbage_collection_threshold > 0
-        self.small, self.large = _Pool(True), _Pool(False)
+        self.small, self.large = Pool(True), Pool(False)
         self.segments = {}            # address -> (size, small) for device-malloc'ed segments
         self.allocated = self.reserved = 0
         self.peak_allocated = self.peak_reserved = 0
@@ -324,7 +113,7 @@ class Allocator:
         size = round_size(nbytes, self.cfg)
         pool = self.small if size <= K_SMALL_SIZE else self.large
         alloc_size = allocation_size(size, self.cfg)
-        block = self._get_free_block(pool, size)
+        block = self.find_free_block(pool, size)
         if block is None:
             if self.gc:
                 self._garbage_collect()
@@ -371,7 +160,12 @@ class Allocator:
         return True
 
     # ---- the search ---------------------------------------------------------------------------
-    def _get_free_block(self, pool, size):
+    def find_free_block(self, pool, size):
+        """Best fit (`get_free_block`): take the smallest cached block of `pool` that holds `size` bytes (the
+        lowest address among equal sizes) out of the pool, or return None (the caller asks the device).
+
+        With `max_split_size_mb` set, an oversize block (>= the limit) is not handed to a smaller request, and a
+        request at or above the limit does not take a block `max_non_split_rounding` or more larger than itself."""
         if self.gc:
             pool.calls += 1
         self.searches += 1
@@ -394,6 +188,8 @@ class Allocator:
             return None              # nor a much larger one to a large request
         del blocks[i]
         return b
+
+    _get_free_block = find_free_block      # the name before it was public (and PyTorch's own)
 
     def _should_split(self, block, size):
         remaining = block.size - size
@@ -700,155 +496,3 @@ class Allocator:
                              "is_expandable": run[0].vseg is not None, "frames": [], "blocks": blocks})
         return {"segments": segs, "device_traces": [list(self.history or [])],
                 "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": self.cfg.text}}
-
-
-@dataclass
-class Replay:
-    """What replaying a trace did: bytes after every event, peaks, device calls, fragmentation at the peak."""
-    conf: str
-    allocated: np.ndarray            # after every event
-    reserved: np.ndarray
-    peak_allocated: int
-    peak_reserved: int
-    device_mallocs: int
-    device_frees: int
-    retries: int
-    searches: int
-    oom_at: int | None               # the event that failed (None: the trace ran)
-    largest_free_at_peak: int        # the largest cached block at the reserved peak
-    allocator: Allocator = field(repr=False)
-
-    @property
-    def ok(self):
-        return self.oom_at is None
-
-    @property
-    def waste(self):
-        """Peak reserved beyond the peak of allocated blocks, as a fraction of the latter."""
-        return self.peak_reserved / self.peak_allocated - 1 if self.peak_allocated else 0.0
-
-    @property
-    def free_at_peak(self):
-        """Cached (reserved, unallocated) bytes at the reserved peak."""
-        i = int(np.argmax(self.reserved)) if len(self.reserved) else 0
-        return int(self.reserved[i] - self.allocated[i]) if len(self.reserved) else 0
-
-    def snapshot(self):
-        return self.allocator.snapshot()
-
-
-def _events(trace):
-    """(key, +bytes) / (key, -bytes) pairs from a list of tuples or a `track()` report."""
-    if hasattr(trace, "trace") and not isinstance(trace, (list, tuple)):
-        trace = trace.trace
-    if not isinstance(trace, (list, tuple)):
-        raise TypeError(f"trace must be a list of (key, nbytes, ...) tuples or a track() report, "
-                        f"got {type(trace).__name__}")
-    for i, ev in enumerate(trace):
-        if not isinstance(ev, (list, tuple)) or len(ev) < 2:
-            raise ValueError(f"trace[{i}] must be a (key, nbytes, ...) tuple, got {ev!r}")
-        n = ev[1]
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-            raise ValueError(f"trace[{i}] nbytes must be an int (> 0 allocates, < 0 frees), got {n!r}")
-    return trace
-
-
-def replay(trace, conf="", device=None, fraction=None, history=False, stop_on_oom=True):
-    """Replay an allocation trace through the model; returns a `Replay`.
-
-    trace: [(key, nbytes, ...)]: nbytes > 0 allocates for `key` (a live key is resized: a new block, then
-    the old one freed, as a storage resize does on CUDA), nbytes < 0 frees it; or a `track()` report.
-    An out-of-memory error stops the replay (`oom_at` says where) unless stop_on_oom=False.
-    """
-    a = Allocator(conf, device=device, fraction=fraction, history=history)
-    live = {}
-    events = _events(trace)
-    n = len(events)
-    alloc_t = np.zeros(n, dtype=np.int64)
-    res_t = np.zeros(n, dtype=np.int64)
-    oom_at, peak, largest = None, -1, 0
-    malloc, free = a.malloc, a.free
-    for i, ev in enumerate(events):
-        key, nbytes = ev[0], ev[1]
-        if nbytes > 0:
-            try:
-                b = malloc(nbytes)
-            except torch.OutOfMemoryError:
-                if oom_at is None:
-                    oom_at = i
-                alloc_t[i:], res_t[i:] = a.allocated, a.reserved
-                if stop_on_oom:
-                    alloc_t, res_t = alloc_t[:i + 1], res_t[:i + 1]
-                    break
-                continue
-            old = live.get(key)
-            live[key] = b
-            if old is not None:
-                free(old)
-        elif nbytes < 0:
-            b = live.pop(key, None)
-            if b is not None:
-                free(b)
-        alloc_t[i], res_t[i] = a.allocated, a.reserved
-        if a.reserved > peak:
-            peak, largest = a.reserved, a.largest_free()
-    return Replay(a.cfg.text, alloc_t, res_t, a.peak_allocated, a.peak_reserved, a.device_mallocs,
-                  a.device_frees, a.retries, a.searches, oom_at, largest, a)
-
-
-def smallest_device(trace, conf="", fraction=None, step=2 * MiB):
-    """The smallest device (bytes, a multiple of `step`) on which the trace runs, by bisection.
-
-    Below the peak of allocated blocks nothing runs; with unlimited memory it runs at its peak reserved.
-    Bisection assumes a larger device never fails where a smaller one runs (true of these rules in
-    practice; the answer is re-checked to run).
-    """
-    events = _events(trace)
-    free_run = replay(events, conf)
-    lo = free_run.peak_allocated // step            # fails (or is the floor)
-    hi = -(-free_run.peak_reserved // step)         # runs
-    if replay(events, conf, device=lo * step, fraction=fraction).ok:
-        return lo * step
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if replay(events, conf, device=mid * step, fraction=fraction).ok:
-            hi = mid
-        else:
-            lo = mid
-    return hi * step
-
-
-# ---- synthetic traces where each knob matters -------------------------------------------------------
-def growing_batch(layers=24, batches=(8, 10, 12, 14, 16), per_sample=15 * MiB // 16):
-    """Each step allocates one activation per layer (batch x per_sample bytes), then frees them all; the
-    batch grows step by step (the case in the allocator's own note on expandable segments)."""
-    trace, key = [], 0
-    for b in batches:
-        keys = range(key, key + layers)
-        key += layers
-        trace += [(k, b * per_sample, "activations") for k in keys]
-        trace += [(k, -b * per_sample, "activations") for k in reversed(keys)]
-    return trace
-
-
-def pinned_holes(rounds=40, temp_start=20 * MiB, temp_step=MiB, small=2 * MiB):
-    """Large temporaries of growing size, each followed by a small long-lived tensor (1-10 MiB: large pool)
-    that stays: the small ones pin whatever page they land on."""
-    trace = []
-    for i in range(rounds):
-        t = temp_start + i * temp_step
-        trace += [(("t", i), t, "activations"), (("s", i), small, "other"), (("t", i), -t, "activations")]
-    return trace
-
-
-def phases(device=500 * MiB, first=12 * MiB, second=30 * MiB, reps=3):
-    """Phases of differently sized tensors: three rounds filling most of the device with `first`-sized
-    tensors, then three with `second`-sized ones. The first phase's cached segments do not fit the second."""
-    trace, key = [], 0
-    for size in (first, second):
-        n = int(device * 0.85) // size
-        for _ in range(reps):
-            keys = range(key, key + n)
-            key += n
-            trace += [(k, size, "activations") for k in keys] + [(k, -size, "activations") for k in keys]
-    return trace

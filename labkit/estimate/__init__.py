@@ -1,0 +1,144 @@
+"""Memory from a model's config, before anything is allocated: `estimate(config, ...)`.
+
+Families with a formula (est.method == "formula"): llama, mistral, qwen2 (the Llama layer), gemma, phi,
+gpt2, bert, opt. Any other config (Mixtral, Qwen2-MoE, T5, ...) or option without a formula (autocast
+outside Llama, eager attention, dropout where the formula has none) is measured on fake tensors
+(est.method == "fake"). `measured()` runs the same step on real tensors: the ground truth that
+tests/test_estimate_families.py holds every family to, within 5% of `track()` at tiny size on a CPU
+(fp32; training, generate, plain forward; benchmarks/estimate_table.py prints each gap).
+
+One idea per module, each importing only those below it:
+    measured.py   measured(): track() around a real step of a randomly initialised model
+    fake.py       the estimate by measurement on FakeTensorMode (shapes, no data)
+    step.py       the training / inference step both run under track()
+    formulas.py   the formulas, one per category (no torch import)
+    sharding.py   Parallel and one rank's share of dp x tp x pp devices, ZeRO and offload (no torch)
+    config.py     load_config and the sizes a config gives (model_shape)
+    checks.py     argument checks
+The derivation of the formulas is taught in notebooks/01_memory_anatomy.ipynb.
+
+Public functions report `labkit.estimate` as their module (as NumPy's `set_module` does), so tracebacks,
+pickles and `lk.exercise(forbid=[labkit.estimate])` name the path a user imports.
+"""
+from __future__ import annotations
+
+from .checks import count, flag
+from .config import FAMILIES, build_model, load_config, model_class, model_shape
+from .fake import fake_estimate
+from .formulas import (CATS, DTYPES, OPTIMIZERS, Estimate, activation_bytes_per_token, device_type, dtype_bytes,
+                       head_terms, inference, korthikanti_bytes, kv_cache_bytes, kv_capacity, linear_params,
+                       model_states, param_count, training_step)
+from .measured import measured
+from .sharding import OFFLOADS, ZERO_STAGES, Parallel, as_parallel, make_layout, per_rank
+from .step import storage_bytes
+
+__all__ = ["estimate", "Estimate", "Parallel", "param_count", "kv_cache_bytes", "kv_capacity", "korthikanti_bytes",
+           "model_states", "load_config", "measured", "activation_bytes_per_token", "DTYPES", "OPTIMIZERS",
+           "FAMILIES", "ZERO_STAGES", "OFFLOADS", "CATS"]
+
+
+def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training=True, recompute=False,
+             kv_tokens=None, foreach=False, logits_to_keep=None, grad_accum=False, device=None,
+             method="auto", max_positions=None, *, parallel=None, dp=None, zero=None, tp=None, pp=None, offload=None):
+    """Predicted memory of a training step (training=True) or of inference with a KV cache.
+
+    config: a transformers config, a labkit preset name (its full size) or a path to a config.json.
+    dtype: "fp32", "bf16", "fp16" (weights, grads and states in that dtype), "mixed" (16-bit weights
+    and grads, fp32 master weights and Adam states: 16 bytes/param), or "amp-bf16"/"amp-fp16"
+    (torch.autocast: fp32 weights, grads and states; 16-bit matmul outputs and autocast's weight cache).
+    optimizer: "sgd", "sgd-momentum", "adam", "adamw", "adamw-8bit" or None (training only).
+    recompute: activation checkpointing: True (every layer), an int k (segments of k layers, Chen et al.
+    2016: only segment inputs are kept, one segment is recomputed at a time), "selective" (Korthikanti
+    et al.: only the attention scores are recomputed), or False.
+    kv_tokens: tokens held in the KV cache for inference (default: seq; 0: no cache).
+    foreach: the optimizer's foreach flag (PyTorch's default: True on CUDA, False on CPU).
+    logits_to_keep: inference only: 1 (default) as generate's prefill, 0 for a plain forward's full logits.
+    grad_accum: an fp32 gradient-accumulation buffer (4 bytes/param; with "mixed": 20 bytes/param).
+    device: "cpu" or "cuda" (default: this machine): dropout masks are e bytes on a CPU, 1 byte on CUDA.
+    method: "auto" (a formula where one exists, else "fake"), "formula" or "fake" (measure a real step on
+    FakeTensorMode tensors: takes seconds; exact where tests/test_edges_estimate.py shows it).
+    max_positions: allow seq + generated tokens beyond config.max_position_embeddings up to this number.
+    parallel: Parallel(dp, zero, tp, pp, offload): the memory of one rank when training on dp x tp x pp
+    devices (batch is then the micro-batch of one data-parallel rank); the flat keywords dp=, zero=, tp=,
+    pp=, offload= say the same (not both). zero: the ZeRO stage over the dp ranks (Rajbhandari et al.
+    2020): 1 shards the optimizer state, 2 the gradients too, 3 the weights too. Tensor (tp) and pipeline
+    (pp) parallelism split the weights, gradients and optimizer state tp x pp ways (as if evenly: the
+    embeddings and the LM head really sit on the first and last stages). Activations: divided by tp
+    (Korthikanti et al. 2022 with sequence parallelism: every term / t); with 1F1B the first stage keeps
+    p micro-batches of L/p layers, as many as the L layers of one: pp leaves them as they are.
+    ZeRO-3 also holds the largest module gathered whole while it runs: its 16-bit weights and its
+    unreduced gradients (2 x w x largest layer, DeepSpeed's "4 x largest_layer_params"), and its gradient
+    partition is the fp32 one alone when grad_accum=True (reduce-scatter writes into it), as in DeepSpeed's
+    estimate_zero3_model_states_mem_needs; ZeRO-2's unreduced bucket is left out, as in the paper's count.
+    offload: None, "optimizer" (ZeRO-Offload: the optimizer state, fp32 master weights and, with zero >= 2,
+    the gradient partitions live in CPU memory) or "parameters" (ZeRO-Infinity on CPU, FSDP's
+    CPUOffloadPolicy: the weight partitions too; needs zero=3). What moved is in est.host, per category.
+    grad_accum and dtype="mixed" on the fake path: the step is measured (in bf16 for "mixed") and the fp32
+    buffer (4 bytes/param, alive across steps) and fp32 master weights + Adam state (12 bytes/param in
+    place of the measured bf16 state) are added by formula, as a note says.
+    """
+    batch, seq = count("batch", batch, 1), count("seq", seq, 1)
+    kv_tokens = seq if kv_tokens is None else count("kv_tokens", kv_tokens, 0)
+    training, foreach, grad_accum = flag("training", training), flag("foreach", foreach), flag("grad_accum", grad_accum)
+    if not (isinstance(recompute, bool) or recompute == "selective" or isinstance(recompute, int) and recompute >= 1):
+        raise ValueError(f"recompute must be True, False, 'selective' or a segment length >= 1, got {recompute!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if logits_to_keep is not None:
+        logits_to_keep = count("logits_to_keep", logits_to_keep, 0)
+    if training and logits_to_keep is not None:
+        raise ValueError(f"logits_to_keep is for inference (training=False): a training step keeps every "
+                         f"position's logits for the loss, got logits_to_keep={logits_to_keep!r} with training=True")
+    if method not in ("auto", "formula", "fake"):
+        raise ValueError(f"method must be 'auto', 'formula' or 'fake', got {method!r}")
+    dtype_bytes(dtype)
+    parallel = as_parallel(parallel, dp=dp, zero=zero, tp=tp, pp=pp, offload=offload)
+    if parallel.offload and not training:
+        raise ValueError(f"offload moves training state to the CPU; for inference use offload=None, "
+                         f"got {parallel.offload!r}")
+    if parallel.zero and not training:
+        raise ValueError(f"zero shards training state; for inference (training=False) use zero=0, "
+                         f"got zero={parallel.zero!r}")
+    if not training and dtype.startswith("amp"):
+        raise ValueError(f"dtype {dtype!r} is for training; for inference use 'bf16' or 'fp16'")
+    config = load_config(config)
+    shape = model_shape(config)
+    layout = make_layout(parallel, shape)       # refuses a tp or pp this model cannot have
+    longest = max(seq, kv_tokens)
+    limit = shape["P"] if max_positions is None else max_positions
+    if limit is not None and longest > limit and not shape["enc_dec"]:
+        name = "seq" if seq >= kv_tokens else "kv_tokens"
+        raise ValueError(f"{name} must be <= max_position_embeddings {shape['P']} of this config, got {longest} "
+                         f"(pass max_positions={longest} to estimate beyond it anyway)")
+    device = device_type(device)
+    formula_ok = shape["family"] is not None and not (dtype.startswith("amp") and shape["family"] != "llama")
+    if method == "formula" and not formula_ok:
+        raise ValueError(f"no formula for model_type {shape['model_type']!r} with dtype {dtype!r}; use method='fake'")
+    if method == "fake" or not formula_ok:
+        est = fake_estimate(config, batch, seq, dtype, optimizer, training, recompute, kv_tokens, foreach,
+                            logits_to_keep, grad_accum)
+    elif training:
+        est = training_step(shape, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, device, layout)
+    else:
+        est = inference(shape, batch, seq, dtype, kv_tokens, 1 if logits_to_keep is None else logits_to_keep)
+    if est.method == "fake" or not training:
+        est = per_rank(est, layout, dtype_bytes(dtype), grad_accum)
+    return est
+
+
+
+# Private names callers imported before the split (tests, labkit/scripts/gpu_smoke.py): kept as aliases.
+_shape, _build, _model_class, _storage_bytes = model_shape, build_model, model_class, storage_bytes
+_head_terms, _linear_params = head_terms, linear_params
+
+
+def _report_public_path():
+    """Public functions name `labkit.estimate` as their module (see the module docstring). Classes keep
+    theirs: inspect finds a class's source through its module's file."""
+    for name in __all__:
+        obj = globals()[name]
+        if callable(obj) and not isinstance(obj, type):
+            obj.__module__ = __name__
+
+
+_report_public_path()

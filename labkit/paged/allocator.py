@@ -1,0 +1,63 @@
+"""The first design of vLLM's block allocator (`block_manager.py`, 2023): a free list and a reference count.
+
+A KV cache is cut into `num_blocks` physical blocks of `block_size` tokens each. `allocate` pops a block
+off the free list with one owner; `share` adds an owner (a forked sequence); `free` removes one and puts
+the block back when none is left. Freeing a block nobody owns is a scheduler bug, so it fails loudly
+(`Double free of block 7`), as does asking an empty pool for a block (`OutOfBlocks`).
+"""
+__all__ = ["BlockAllocator", "OutOfBlocks", "positive_int"]
+
+
+class OutOfBlocks(RuntimeError):
+    """Every physical block is in use."""
+
+
+def positive_int(name, value):
+    """`value` if it is an int >= 1 (not a bool), else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class BlockAllocator:
+    """A free list of `num_blocks` physical blocks and a reference count for each."""
+
+    def __init__(self, num_blocks, block_size=16):
+        self.num_blocks = positive_int("num_blocks", num_blocks)
+        self.block_size = positive_int("block_size", block_size)
+        self.free_list = list(range(num_blocks - 1, -1, -1))     # pop() hands out 0, 1, 2, ...
+        self.ref_count = [0] * num_blocks                        # owners of each block
+
+    def allocate(self):
+        """A free block, with reference count 1."""
+        if not self.free_list:
+            raise OutOfBlocks(f"out of KV blocks: all {self.num_blocks} blocks of {self.block_size} tokens are in use")
+        block = self.free_list.pop()
+        self.ref_count[block] = 1
+        return block
+
+    def share(self, block):
+        """One more owner for `block` (it must be allocated: a free block has no contents to share)."""
+        self.check(block, "share")
+        self.ref_count[block] += 1
+
+    def free(self, block):
+        """One owner fewer; with none left the block returns to the free list."""
+        self.check(block)
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self.free_list.append(block)
+
+    def check(self, block, action="free"):
+        """A ValueError unless `block` is a block of this pool that someone owns (`action` names the caller)."""
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise ValueError(f"block must be an int in [0, {self.num_blocks}), got {block!r}")
+        if self.ref_count[block] == 0:
+            if action == "free":
+                raise ValueError(f"Double free of block {block}: it is not allocated")
+            raise ValueError(f"cannot {action} block {block}: it is free (allocate it first)")
+
+    @property
+    def num_free(self):
+        """Blocks that `allocate` can hand out."""
+        return len(self.free_list)

@@ -20,7 +20,7 @@ import torch
 from .data import DATA_DIR
 from .device import size
 
-__all__ = ["record", "RECORDS_DIR", "gpu_figures", "gpu_records", "show_gpu", "GPU_CHECKS", "GPU_DIR", "NOTEBOOKS"]
+__all__ = ["record", "RECORDS_DIR", "gpu_figures", "gpu_records", "unwritable", "show_gpu", "GPU_CHECKS", "GPU_DIR", "NOTEBOOKS"]
 
 RECORDS_DIR = pathlib.Path(os.environ.get(
     "LABKIT_RECORDS", pathlib.Path(__file__).resolve().parent.parent / "build" / "records"))
@@ -215,3 +215,17 @@ def _where(folder):
     """data/gpu/ as the learner knows it, or the folder LABKIT_GPU_RECORDS / folder= points at."""
     default = pathlib.Path(DATA_DIR / "gpu")
     return "data/gpu/" if folder.resolve() == default.resolve() else str(folder)
+
+
+def unwritable(folder):
+    """Why records cannot be written to `folder` (a file, or a folder this user may not write), or None.
+    Creates nothing: the nearest existing folder above must be writable."""
+    folder = pathlib.Path(folder)
+    if folder.exists() and not folder.is_dir():
+        return "it is a file, not a folder"
+    existing = next(p for p in [folder, *folder.parents] if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable, so no record could be written"
+    return None

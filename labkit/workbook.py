@@ -286,12 +286,14 @@ def _execute(path, cell_timeout, log):
     nb = nbformat.read(path, as_version=4)
     cells = sum(c.cell_type == "code" for c in nb.cells)
     t0 = last = time.time()
+    done = 0
 
     def progress(cell, cell_index, **_):
-        nonlocal last
+        nonlocal last, done
+        done += cell.cell_type == "code"
         if time.time() - last >= 20:               # a line every 20 s at most: it is alive, and where
             last = time.time()
-            log(f"    ... cell {cell_index + 1} of {len(nb.cells)} ({cells} code cells), {last - t0:.0f} s")
+            log(f"    ... code cell {done} of {cells} done, {last - t0:.0f} s")
 
     # The kernel's own log stays quiet (ipykernel warns once per kernel that it runs over TCP on localhost);
     # its errors and the notebook's own stderr are kept.

@@ -190,3 +190,14 @@ def test_bf16_rounding_error_reaches_2_to_the_minus_8_not_minus_9():
     assert 2**-9 < rounding <= 2**-8
     assert not rounding <= 2**-9
     assert "2**-9 < rounding <= 2**-8" in cell("04_cpu_offload.ipynb", "rounding = ((values.bfloat16()")
+
+
+@pytest.mark.parametrize("nb, solution, setup, check", [
+    (NB02, "class MasterWeights:", SETUP02, CHECK02),
+    (NB03, "def checkpoint_mlps(model):", SETUP03, CHECK03)], ids=["02-ex2", "03-ex2"])
+def test_the_student_builds_stub_is_not_attempted(nb, solution, setup, check, capsys):
+    """The student build's stub (solutions replaced by `raise NotImplementedError()`) reports "not attempted"."""
+    from labkit.course import strip_solutions
+    run(nb, setup, strip_solutions(cell(nb, solution)), check, ns03() if nb == NB03 else None)
+    out = capsys.readouterr().out
+    assert "Exercise 2 not attempted yet" in out and "passed" not in out

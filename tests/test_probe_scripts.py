@@ -2,6 +2,7 @@
 bad arguments stop with exit status 2 and a message naming the flag and the value, before CUDA is asked."""
 import pytest
 
+from labkit import records
 from labkit.scripts import gpu_smoke, validate_allocator
 
 
@@ -27,7 +28,7 @@ def test_gpu_smoke_refuses_an_out_folder_it_cannot_write(tmp_path, capsys, monke
         with pytest.raises(SystemExit) as e:
             gpu_smoke.main(["--out", str(out)])
         assert e.value.code == 2 and says in capsys.readouterr().err
-    assert gpu_smoke.unwritable(tmp_path / "new" / "deeper") is None and not (tmp_path / "new").exists()
+    assert records.unwritable(tmp_path / "new" / "deeper") is None and not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("argv, says", [

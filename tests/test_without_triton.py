@@ -123,6 +123,8 @@ def test_the_checker_catches_a_missing_twin_and_a_skipped_section():
              "split over the keys (8 splits of 128); == dense attention",
              " torch: block tables {'a': [0, 1]}, lengths [20]: 2 blocks in use for 20 tokens; paged attention == dense attention",
              "flash twin (PyTorch)   exponent 1.00     1.01 MiB    0.9ms",
+             "flash   : bytes ~ N^+1.92 d^+1.90 M^-0.92   (Theorem 2: N^+2 d^+2 M^-1)",
+             "  summed / blocks                    5.0e-01",
              "Exercise 1: passed", "Exercise 2: passed", "Exercise 3: passed",
              "Skipped: the Triton kernel itself (its PyTorch twin runs every check). It needs triton, which this "
              "machine does not have.",

@@ -867,20 +867,6 @@ def cuda_env():
     return {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda}
 
 
-def unwritable(folder):
-    """Why records cannot be written to `folder` (a file, or a folder this user may not write), or None.
-    Creates nothing: the nearest existing folder above must be writable."""
-    folder = pathlib.Path(folder)
-    if folder.exists() and not folder.is_dir():
-        return "it is a file, not a folder"
-    existing = next(p for p in [folder, *folder.parents] if p.exists())
-    if not existing.is_dir():
-        return f"{existing} is a file, not a folder"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable, so no record could be written"
-    return None
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole run (default 360)")
@@ -893,7 +879,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.worker is not None:
         return worker(args.worker.split(","), args.until, args.registry)
-    from labkit.records import GPU_CHECKS, GPU_DIR
+    from labkit.records import GPU_CHECKS, GPU_DIR, unwritable
     if args.list:
         for c in CHECKS:
             print(f"{c.name:<30} {c.seconds:4d} s  {GPU_CHECKS[c.name]}"

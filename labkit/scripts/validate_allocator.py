@@ -225,7 +225,7 @@ def main(argv=None):
         p.error(f"--jobs must be a positive number of children at a time, got {args.jobs}")
     if args.child is not None:
         return child(args.child, args.layers, args.trace)
-    from labkit.scripts.gpu_smoke import unwritable
+    from labkit.records import unwritable
     for flag, path in (("--out", pathlib.Path(args.out).parent), ("--trace", pathlib.Path(args.trace).parent)):
         problem = unwritable(path)         # found now, not after minutes of GPU work
         if problem:

@@ -140,8 +140,9 @@ class CountedHooks(torch.autograd.graph.saved_tensors_hooks):
 
     def __exit__(self, *exc):
         result = super().__exit__(*exc)
-        if isinstance(self.hooks, ActivationOffload):
-            self.hooks._packed.clear()          # what ActivationOffload's own exit does
+        packed = getattr(self.hooks, "_packed", None)   # an offload.ActivationOffload's books of packed tensors
+        if packed is not None:
+            packed.clear()                      # what ActivationOffload's own exit does
         return result
 
 

@@ -249,7 +249,8 @@ class Plans(list):
         if hidden:
             lines.append(f"    ({hidden} plans with the same memory and time as one above not shown)")
         lines.append(f"cost model: MFU {MFU}, HBM at {HBM_UTIL:.0%}, CPU Adam at {CPU_GBPS} GB/s, allocator "
-                     f"overhead {HEADROOM:.0%} of the peak; spec-sheet FLOP/s and bandwidths from data/gpus.csv "
+                     f"overhead {HEADROOM:.0%} of the peak, no overlap of compute, offload and communication (an upper "
+                     f"bound); spec-sheet FLOP/s and bandwidths from data/gpus.csv "
                      f"({q['source']}); no measured figures in data/gpu/ yet")
         return "\n".join(lines)
 
@@ -324,7 +325,8 @@ def _train_plans(cfg, s, P, g, gpus, seq, batch, pretrain):
             tokens = batch * seq
             peak_flops = g["fp32_flops"] if dtype == "fp32" else g["bf16_flops"]
             cost = {"compute": train_flops(P, tokens, rc) / (peak_flops * MFU * gpus)}
-            grad = 2 * P / (tp * pp) if dtype != "fp32" else 4 * P / (tp * pp)
+            # bytes of one rank's gradients (and weights): fp32 under plain fp32 and under autocast
+            grad = (4 if dtype in ("fp32", "amp-bf16", "amp-fp16") else 2) * P / (tp * pp)
             link = _link(g, gpus)
             if dp > 1:
                 cost["comm"] = (3 if zero == 3 else 2) * (dp - 1) / dp * grad / link

@@ -306,9 +306,10 @@ def _execute(path, cell_timeout, log):
         return nb, "ok", time.time() - t0
     except Exception as err:                        # keep going: the page says which one failed, and why
         kind = type(err).__name__
+        err = re.sub(r"\x1b\[[0-9;]*m", "", str(err))     # the traceback's terminal colours
         why = (f"a cell ran past {cell_timeout} s" if kind == "CellTimeoutError" else
                "its kernel died" if kind == "DeadKernelError" else
-               f"{kind}: {str(err).strip().splitlines()[-1][:200]}" if str(err).strip() else kind)
+               f"{kind}: {err.strip().splitlines()[-1][:200]}" if err.strip() else kind)
         return nb, f"FAILED after {time.time() - t0:.0f} s: {why}", time.time() - t0
 
 

@@ -87,6 +87,8 @@ def published_gap(value, published):
 def _fmt(key, value, entry):
     """A figure as text: by its name's suffix (fmt_figure), or as a plain number where the registry names
     its unit (an exponent, bytes/param)."""
+    if entry.get("as") and not isinstance(value, str):     # formatted as a name with that suffix would be
+        return fmt_figure(entry["as"], value)
     if entry.get("unit") and not isinstance(value, str):
         return f"{value:,}" if isinstance(value, int) else f"{value:.3g}"
     return fmt_figure(key, value)
@@ -210,7 +212,8 @@ def _section_html(sec, cols):
            f'src="{sec["image"]}"></a>' if sec["image"] else "")
     minutes = f', {sec["seconds"] / 60:.1f} min' if isinstance(sec["seconds"], (int, float)) else ""
     link = f' · <a href="{e(sec["html"])}">the executed notebook</a>' if sec["html"] else ""
-    status = (f'<p><span class="{"ok" if ok else "failed"}">{e(sec["status"])}</span>{e(minutes)}'
+    kept = sec["status"].startswith("not run")
+    status = (f'<p><span class="{"ok" if ok else "muted" if kept else "failed"}">{e(sec["status"])}</span>{e(minutes)}'
               f'{" · " + e(sec["when"]) if sec["when"] else ""}{link}</p>')
     skipped = "".join(f"<li>{e(s)}</li>" for s in sec["skipped"])
     skipped = f"<p>Skipped sections:</p><ul>{skipped}</ul>" if skipped else ""
@@ -232,7 +235,9 @@ def page(secs, cols, machine):
     ran = [s for s in secs if not s["status"].startswith("not run")]
     seconds = sum(s["seconds"] or 0 for s in ran)
     skipped = "".join(f"<li>{e(s['stem'][:2])}: {e(msg)}</li>" for s in secs for msg in s["skipped"])
-    summary = (f'<div class="summary"><p><b>{len(ran)}</b> notebook(s) run, '
+    kept = len(secs) - len(ran)
+    summary = (f'<div class="summary"><p><b>{len(ran)}</b> notebook(s) run this time'
+               f'{f" ({kept} more shown from earlier runs)" if kept else ""}, '
                f'<b class="{"failed" if failed else "ok"}">{len(failed)} failed</b>'
                f'{" (" + ", ".join(e(s["stem"]) for s in failed) + ")" if failed else ""}, '
                f'{seconds / 60:.1f} minutes in all, on {e(machine)}.</p>'

@@ -193,18 +193,18 @@ def _forward(stream, lines):
     for line in stream:
         line = line.rstrip("\n")
         lines.append(line)
-        if line.startswith(_PROGRESS):
-            print(f"  {time.perf_counter() - start:5.1f} s  {line[len(_PROGRESS):]}", flush=True)
+        # two ranks writing at once can run their lines together: each progress message starts at its prefix
+        for part in line.split(_PROGRESS)[1:]:
+            print(f"  {time.perf_counter() - start:5.1f} s  {part.strip()}", flush=True)
 
 
 def progress(message, every_rank=False):
     """Called by a torchrun script: rank 0 says how far it got (every rank, prefixed with its number, when
     `every_rank`); `launch` shows each line in the notebook as it comes, with the seconds since the start."""
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-    if every_rank:
-        print(f"{_PROGRESS}rank {rank}: {message}", flush=True)
-    elif rank == 0:
-        print(_PROGRESS + message, flush=True)
+    if every_rank or rank == 0:                   # one write per line, so ranks' lines do not interleave
+        sys.stdout.write(f"{_PROGRESS}{f'rank {rank}: ' if every_rank else ''}{message}\n")
+        sys.stdout.flush()
 
 
 def backend_for(nproc):

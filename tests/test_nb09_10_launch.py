@@ -74,3 +74,13 @@ def test_the_notebooks_show_code_with_lk_show_and_call_no_private_name():
         assert not private, (name, "private labkit names", private)
         long = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and len(c.source.splitlines()) > 30]
         assert not long, (name, "cells over 30 lines", long)
+
+
+def test_progress_lines_two_ranks_ran_together_are_shown_apart(capsys):
+    from labkit import launch
+    lines = []
+    launch._forward(iter(["[labkit progress] rank 0: torch loaded[labkit progress] rank 1: torch loaded\n",
+                          "other output\n"]), lines)
+    out = capsys.readouterr().out
+    assert out.count("torch loaded") == 2 and "[labkit progress]" not in out and "other output" not in out
+    assert len(lines) == 2

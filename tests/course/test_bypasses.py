@@ -153,10 +153,10 @@ BYPASSES = {
     ],
     "13": [
         ("13-ex1", ["labkit.estimate"], """
+            from labkit.estimate import model_states
+
             def states_8bit_adam(params):
-                e = lk.estimate(GOAL["model"], batch=1, seq=GOAL["seq"], dtype="mixed", optimizer="adamw-8bit",
-                                method="formula")
-                return e.parts["parameters"] + e.parts["gradients"] + e.parts["optimizer"]
+                return sum(model_states(params, dtype="mixed", optimizer="adamw-8bit").values())
             """),
         ("13-ex2", ["labkit.plan.offload_seconds"], """
             from labkit.plan import offload_seconds

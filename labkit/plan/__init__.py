@@ -33,14 +33,14 @@ import itertools
 import json
 import pathlib
 
-from .units import fmt_bytes, parse_bytes
+from ..units import fmt_bytes, parse_bytes
 
 __all__ = ["plan", "Plan", "Plans", "TASKS", "gpu_spec", "gpu_names", "nf4_bits", "int8_bits", "lora_params",
            "quantized_weight_bytes", "frozen_base_activations", "paged_kv_tokens", "kv_bytes", "allocator_overhead",
            "train_flops", "offload_bytes", "offload_seconds",
            "MFU", "HBM_UTIL", "CPU_GBPS", "HEADROOM", "recipes"]
 
-DATA = pathlib.Path(__file__).resolve().parent.parent / "data"
+from ..data import DATA_DIR as DATA
 TASKS = ("pretrain", "finetune", "lora", "qlora", "serve")
 MFU = 0.4            # model FLOP/s utilisation assumed for training and prefill (PaLM, Chowdhery et al. 2022: 46%)
 HBM_UTIL = 0.8       # share of the spec sheet's memory bandwidth a decode step reaches (assumed)
@@ -68,7 +68,7 @@ def int8_bits(in_features):
 
 
 def _shape(config):
-    from .estimate import load_config
+    from ..estimate import load_config
     c = load_config(config)
     h, L = c.hidden_size, c.num_hidden_layers
     a = c.num_attention_heads
@@ -100,7 +100,7 @@ def lora_params(config, rank, targets=LORA_TARGETS):
 def quantized_weight_bytes(config, weights):
     """Bytes of the weights with the layers' matrices in `weights` ("bf16", "int8", "nf4"); embeddings,
     norms and the LM head stay 16-bit, as bitsandbytes and QLoRA leave them."""
-    from .estimate import param_count
+    from ..estimate import param_count
     s = _shape(config)
     matrices = s["L"] * sum(a * b for a, b in _linears(s).values())
     rest = param_count(s["config"]) - matrices
@@ -119,7 +119,7 @@ def paged_kv_tokens(tokens, block_size=16):
 def kv_bytes(config, sequences, tokens, kv_dtype="bf16", block_size=16):
     """KV cache of `sequences` paged sequences of `tokens`: labkit.estimate's formula in 16 bits, halved for
     an 8-bit cache (vLLM's fp8 KV cache; its per-tensor scales left out)."""
-    from .estimate import kv_cache_bytes
+    from ..estimate import kv_cache_bytes
     per = {"bf16": 1.0, "int8": 0.5}
     if kv_dtype not in per:
         raise ValueError(f"kv_dtype must be one of {tuple(per)}, got {kv_dtype!r}")
@@ -306,7 +306,7 @@ DTYPE_NAMES = {"fp32": "fp32", "amp-bf16": "autocast bf16", "mixed": "bf16 + fp3
 
 
 def _train_plans(cfg, s, P, g, gpus, seq, batch, pretrain):
-    from .estimate import estimate
+    from ..estimate import estimate
     out = []
     for (dp, tp, pp), dtype, opt, rc, offload, zero in itertools.product(
             list(_layouts(gpus, s)), DTYPE_NAMES, ("adamw", "adamw-8bit"), RECOMPUTE,
@@ -351,7 +351,7 @@ def frozen_base_activations(config, batch, seq, recompute=False):
     frozen base): estimate's formula (bf16, no optimizer) at the start of backward or during recomputation.
     The model states are made negligible by sharding them over 2**30 ranks with ZeRO-3, so the peak moment
     is the one with the activations (the peak_parts "activations" and "other" are read; the rest ignored)."""
-    from .estimate import estimate
+    from ..estimate import estimate
     return estimate(config, batch=batch, seq=seq, dtype="bf16", optimizer=None, recompute=recompute,
                     method="formula", device="cuda", dp=2**30, zero=3)
 
@@ -359,7 +359,7 @@ def frozen_base_activations(config, batch, seq, recompute=False):
 def _adapter_plans(cfg, s, P, g, gpus, seq, batch, quantized):
     """LoRA / QLoRA: frozen base weights (bf16, or int8/NF4), fp32 adapters with AdamW (16 bytes/param),
     activations from estimate's formula (bf16, no optimizer), plus one layer's dequantized weight."""
-    from .estimate import estimate
+    from ..estimate import estimate
     out = []
     shapes = _linears(s)
     largest = max(a * b for a, b in shapes.values())
@@ -393,7 +393,7 @@ def _adapter_plans(cfg, s, P, g, gpus, seq, batch, quantized):
 
 def _serve_plans(cfg, s, P, g, gpus, seq, batch):
     """Serving `batch` concurrent sequences of `seq` tokens: weights, paged KV, one prefill's activations."""
-    from .estimate import estimate
+    from ..estimate import estimate
     out = []
     for (replicas, tp, pp), weights, kv_dtype in itertools.product(
             list(_layouts(gpus, s)), ("bf16", "int8", "nf4"), ("bf16", "int8")):
@@ -433,7 +433,7 @@ def plan(model, task, gpu, gpus=1, seq=2048, batch=1):
     seq = context length); gpu: a name of data/gpus.csv or a memory size; batch: sequences per step (all
     GPUs together; micro-batches and gradient accumulation are searched). Returns Plans (a list of Plan).
     """
-    from .estimate import load_config, param_count
+    from ..estimate import load_config, param_count
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     g = gpu_spec(gpu)

@@ -78,13 +78,14 @@ class SavedBytesByDevice(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self):
         self.bytes, self._seen = {}, set()
-        super().__init__(self._pack, self._unpack)
+        super().__init__(self.pack, self.unpack)
 
     def __enter__(self):
         super().__enter__()
         return self
 
-    def _pack(self, t):
+    def pack(self, t):
+        """Counts `t`'s storage once per device; autograd keeps `t` itself."""
         st = t.untyped_storage()
         key = (t.device.type, st._cdata)        # the storage itself (its data pointer is no key on fake tensors)
         if key not in self._seen:
@@ -93,7 +94,7 @@ class SavedBytesByDevice(torch.autograd.graph.saved_tensors_hooks):
         return t
 
     @staticmethod
-    def _unpack(t):
+    def unpack(t):
         return t
 
 
@@ -111,13 +112,14 @@ class CountedHooks(torch.autograd.graph.saved_tensors_hooks):
         self.hooks = hooks
         self._weights = {t.untyped_storage().data_ptr() for t in _tensors(list(weights))}
         self.tally = dict(saved=0, copied=0, copied_bytes=0, weights=0, unpacked=0, unpacked_bytes=0)
-        super().__init__(self._pack, self._unpack)
+        super().__init__(self.pack, self.unpack)
 
     def __enter__(self):
         super().__enter__()
         return self
 
-    def _pack(self, t):
+    def pack(self, t):
+        """The wrapped pack's result, tagged "same" (it kept `t`'s storage) or "copied" (counted)."""
         out = self.hooks.pack_hook(t)
         self.tally["saved"] += 1
         if out is t:
@@ -130,7 +132,8 @@ class CountedHooks(torch.autograd.graph.saved_tensors_hooks):
         self.tally["weights"] += t.untyped_storage().data_ptr() in self._weights
         return ("copied", out)
 
-    def _unpack(self, packed):
+    def unpack(self, packed):
+        """The wrapped unpack's result; a copied save's unpack and the bytes it returns are counted."""
         how, inner = packed
         out = self.hooks.unpack_hook(inner)
         if how == "copied":

@@ -12,7 +12,8 @@ then a real copy out of torch's books, exactly as a GPU-to-CPU copy leaves the G
   pack moves each tensor that autograd saves for backward, and whose unpack brings it back.
 - `HostAdam`: AdamW whose moments and fp32 master weights live on the host, and whose update is computed
   there (ZeRO-Offload's idea, Ren et al. 2021); the device holds only the weights and gradients.
-- `bandwidth(route)`: measured bytes per second of one copy route.
+- `bandwidth(route)`, `bandwidth_runs(route)`: measured bytes per second of one copy route (into one warm
+  buffer, or a fresh one per copy as a hook allocates).
 - Counting what moves, from outside the movers (`CrossDeviceCopies`, `SavedBytesByDevice`, `CountedHooks`,
   `GradWeightCopies`, `numpy_bytes`, `count_weight_reads`): labkit/copies.py, re-exported here.
 - `SeedSwapper`: the seed material's module as written (`x = x.cpu(); x = self.module(x); return x.cuda()`),
@@ -36,7 +37,7 @@ from .copies import (CountedHooks, CrossDeviceCopies, GradWeightCopies, SavedByt
                      _tensors, count_weight_reads, numpy_bytes)
 from .units import parse_bytes
 
-__all__ = ["ActivationOffload", "HostAdam", "bandwidth", "ROUTES", "CrossDeviceCopies", "SeedSwapper", "Swapper",
+__all__ = ["ActivationOffload", "HostAdam", "bandwidth", "bandwidth_runs", "ROUTES", "CrossDeviceCopies", "SeedSwapper", "Swapper",
            "SavedBytesByDevice", "CountedHooks", "GradWeightCopies", "numpy_bytes", "count_weight_reads",
            "to_host", "from_host"]
 
@@ -272,14 +273,23 @@ ROUTES = ("device->host", "host->device", "host->disk", "disk->host",
           "device->pinned", "pinned->device", "device->pageable", "pageable->device")
 
 
-def bandwidth(route, nbytes="64 MiB", folder=None, repeat=5):
-    """Measured bytes per second of one copy route (the median of `repeat` copies after one warm-up).
+def bandwidth(route, nbytes="64 MiB", folder=None, repeat=5, fresh=False):
+    """Measured bytes per second of one copy route: the median of `bandwidth_runs` (same arguments)."""
+    return statistics.median(bandwidth_runs(route, nbytes, folder, repeat, fresh))
+
+
+def bandwidth_runs(route, nbytes="64 MiB", folder=None, repeat=5, fresh=False):
+    """Bytes per second of each of `repeat` copies of one route, after one warm-up copy (a list, in order).
 
     route: "device->host" / "host->device": torch storage <-> numpy buffer on a CPU, GPU <-> pageable CPU
     memory on a GPU; "host->disk" / "disk->host": a numpy buffer to a file in `folder` and back (the
     operating system's page cache usually absorbs both: this is the speed of the file system's memory
     path, not of the disk); "device->pinned", "pinned->device", "device->pageable", "pageable->device":
     CUDA only (pinned = page-locked host memory, which the GPU's copy engine can read directly).
+    fresh: False copies into one destination again and again (its pages already mapped); True allocates
+    the destination anew for every copy, as a pack or unpack hook does (`to_host`, `from_host`), so the
+    operating system maps its pages on first touch, inside the timing. Reading a file always fills a new
+    buffer; writing one always overwrites the same file.
     """
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
@@ -288,6 +298,8 @@ def bandwidth(route, nbytes="64 MiB", folder=None, repeat=5):
         raise ValueError(f"nbytes must be positive, got {nbytes!r}")
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
+    if not isinstance(fresh, bool):
+        raise TypeError(f"fresh must be True or False, got {fresh!r}")
     cuda = torch.cuda.is_available()
     if ("pinned" in route or "pageable" in route) and not cuda:
         raise ValueError(f"route {route!r} needs a CUDA GPU; this machine has none")
@@ -301,22 +313,33 @@ def bandwidth(route, nbytes="64 MiB", folder=None, repeat=5):
         buf.tofile(path)
         copy = (lambda: buf.tofile(path)) if dst_name == "disk" else (lambda: np.fromfile(path, dtype=np.uint8))
         try:
-            return _median_rate(copy, n, repeat, sync=False)
+            return _rates(copy, n, repeat, sync=False)
         finally:
             os.remove(path)
-    dev = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
-    if cuda and ("pinned" in route or "pageable" in route):
-        host = torch.empty(n, dtype=torch.uint8, pin_memory="pinned" in route).fill_(1)
-        nb = "pinned" in route
+    pinned = "pinned" in route
+    if cuda and (pinned or "pageable" in route):
+        def new_host():
+            return torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
     else:
-        host, nb = torch.from_numpy(np.ones(n, dtype=np.uint8)), False
-    src, dst = (dev, host) if src_name == "device" else (host, dev)
-    return _median_rate(lambda: dst.copy_(src, non_blocking=nb), n, repeat, sync=cuda)
+        def new_host():
+            return torch.from_numpy(np.empty(n, dtype=np.uint8))          # a numpy buffer, outside torch
+
+    def new_device():
+        return torch.empty(n, dtype=torch.uint8, device=device)
+
+    new_src, new_dst = (new_device, new_host) if src_name == "device" else (new_host, new_device)
+    src = new_src().fill_(1)
+    dst = new_dst().fill_(1)
+
+    def copy():
+        (new_dst() if fresh else dst).copy_(src, non_blocking=pinned)
+
+    return _rates(copy, n, repeat, sync=cuda)
 
 
-def _median_rate(copy, n, repeat, sync):
+def _rates(copy, n, repeat, sync):
     copy()
-    times = []
+    rates = []
     for _ in range(repeat):
         if sync:
             torch.cuda.synchronize()
@@ -324,8 +347,8 @@ def _median_rate(copy, n, repeat, sync):
         copy()
         if sync:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return n / statistics.median(times)
+        rates.append(n / (time.perf_counter() - start))
+    return rates
 
 
 class SeedSwapper(torch.nn.Module):

@@ -169,7 +169,21 @@ def test_bandwidth_measures_and_rejects(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
             offload.bandwidth("pinned->device")
+    with pytest.raises(TypeError, match="fresh"):
+        offload.bandwidth("device->host", fresh="yes")
 
+
+def test_bandwidth_runs_one_rate_per_copy_into_a_warm_or_a_fresh_buffer(tmp_path, monkeypatch):
+    """`bandwidth` is the median of `bandwidth_runs`; fresh=True allocates a new destination for every copy
+    (as a pack hook does), fresh=False one for all of them (the warm-up copy included)."""
+    made = []
+    empty = np.empty
+    monkeypatch.setattr(offload.np, "empty", lambda *a, **k: made.append(1) or empty(*a, **k))
+    for fresh, buffers in ((False, 1), (True, 1 + 4)):          # one warm-up and three timed copies, + the source
+        made.clear()
+        rates = offload.bandwidth_runs("device->host", "1 MiB", repeat=3, fresh=fresh)
+        assert len(rates) == 3 and all(r > 0 for r in rates)
+        assert len(made) == buffers, (fresh, len(made))
 
 def test_cross_device_copies_and_the_swapper():
     layer = torch.nn.Linear(64, 64)

@@ -22,7 +22,7 @@ def test_doctor_names_a_planted_mismatch(tmp_path, capsys):
     # torch agrees; not-a-package is missing, but nothing here requires it (as the CUDA libraries beside a CPU torch)
     assert set(rows) == {"transformers", "bitsandbytes", "safetensors", "pytest"}
     assert "lock 0.0.1" in rows["transformers"] and rows["transformers"].endswith("may affect: all notebooks")
-    assert rows["bitsandbytes"].endswith("may affect: 06_quantization_qlora.ipynb")
+    assert "06_quantization_qlora.ipynb" in rows["bitsandbytes"].split("may affect: ")[1].split(", ")   # and 13 now
     assert rows["safetensors"].endswith("may affect: all notebooks (through transformers)")
     assert "(make test), not the notebooks" in rows["pytest"]
     assert "4 of 6 differ" in out and "(1 more pins for this platform are for packages nothing here requires, " \
@@ -149,3 +149,52 @@ def test_student_build_kept_in_step_without_losing_the_learners_work(tmp_path, c
     assert "kept your" not in capsys.readouterr().out                         # said once, not on every start
 
 
+
+
+def test_estimate_defaults_to_a_sequence_the_model_has(capsys):
+    """`labkit estimate gpt2-124m` (a preset it lists, 1024 positions) with the default --seq: no error."""
+    assert main(["estimate", "gpt2-124m"]) == 0
+    out = capsys.readouterr().out
+    assert "seq 1024 (--seq defaults to 2048; this model's max_position_embeddings is 1024)" in out
+
+
+def test_estimate_beyond_the_positions_names_the_flag_it_has(capsys):
+    import pytest
+    with pytest.raises(SystemExit):
+        main(["estimate", "gpt2-124m", "--seq", "2048"])
+    err = capsys.readouterr().err
+    assert "--max-positions 2048" in err and "max_positions=" not in err
+    assert main(["estimate", "gpt2-124m", "--seq", "2048", "--max-positions", "2048"]) == 0
+
+
+def _config_file(tmp_path, **changes):
+    import labkit as lk
+    data = json.loads(lk.models.config("llama-2-7b", "full").to_json_string())
+    data.update(changes)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_estimate_takes_a_null_head_dim(tmp_path, capsys):
+    assert main(["estimate", _config_file(tmp_path, head_dim=None), "--seq", "512"]) == 0
+    assert "formula" in capsys.readouterr().out
+
+
+def test_config_errors_are_one_line_naming_the_field(tmp_path, capsys):
+    import pytest
+    for changes, named in ((dict(num_attention_heads=5, num_key_value_heads=2), "attention heads (5)"),
+                           (dict(hidden_size=4000, num_attention_heads=5, num_key_value_heads=2, head_dim=None),
+                            "num_key_value_heads 2")):
+        for command in (["estimate"], ["plan", "--task", "finetune", "--gpu", "L4"]):
+            with pytest.raises(SystemExit) as exc:
+                main(command[:1] + [_config_file(tmp_path, **changes)] + command[1:])
+            assert exc.value.code == 2
+            err = [l for l in capsys.readouterr().err.splitlines() if "error:" in l]
+            assert len(err) == 1 and named in err[0] and "Traceback" not in err[0]
+
+
+def test_plan_recipes_prints_the_closing_table(capsys):
+    assert main(["plan", "--recipes"]) == 0
+    out = capsys.readouterr().out
+    assert "fit agreement" in out and "last round's three plans" in out and "tt-8b-full-4090" in out

@@ -12,6 +12,8 @@ One idea per module, each importing only those below it:
     fake.py       the estimate by measurement on FakeTensorMode (shapes, no data)
     step.py       the training / inference step both run under track()
     formulas.py   the formulas, one per category (no torch import)
+    levers.py     the levers a training step's formula takes: fused step, chunked loss, eager attention,
+                  activation offload (no torch)
     sharding.py   Parallel and one rank's share of dp x tp x pp devices, ZeRO and offload (no torch)
     config.py     load_config and the sizes a config gives (model_shape)
     checks.py     argument checks
@@ -28,6 +30,7 @@ from .fake import fake_estimate
 from .formulas import (CATS, DTYPES, OPTIMIZERS, Estimate, activation_bytes_per_token, device_type, dtype_bytes,
                        head_terms, inference, korthikanti_bytes, kv_cache_bytes, kv_capacity, linear_params,
                        model_states, param_count, training_step)
+from .levers import ATTENTIONS, CHUNKED_CE
 from .measured import measured
 from .sharding import OFFLOADS, ZERO_STAGES, Parallel, as_parallel, make_layout, per_rank
 from .step import storage_bytes
@@ -39,7 +42,8 @@ __all__ = ["estimate", "Estimate", "Parallel", "param_count", "kv_cache_bytes", 
 
 def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training=True, recompute=False,
              kv_tokens=None, foreach=False, logits_to_keep=None, grad_accum=False, device=None,
-             method="auto", max_positions=None, *, parallel=None, dp=None, zero=None, tp=None, pp=None, offload=None):
+             method="auto", max_positions=None, *, parallel=None, dp=None, zero=None, tp=None, pp=None, offload=None,
+             fused_step=False, chunked_ce=False, attention="sdpa", activation_offload=False):
     """Predicted memory of a training step (training=True) or of inference with a KV cache.
 
     config: a transformers config, a labkit preset name (its full size) or a path to a config.json.
@@ -73,6 +77,12 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
     offload: None, "optimizer" (ZeRO-Offload: the optimizer state, fp32 master weights and, with zero >= 2,
     the gradient partitions live in CPU memory) or "parameters" (ZeRO-Infinity on CPU, FSDP's
     CPUOffloadPolicy: the weight partitions too; needs zero=3). What moved is in est.host, per category.
+    Levers priced by formula only (method="formula", training, a family with a formula; levers.py has each
+    one's function and source): fused_step (the optimizer step fused into backward: one parameter's gradient
+    at a time), chunked_ce (True: notebook 12's linear_cross_entropy, no logits kept; "output": torchtune's
+    chunked output loss), attention ("sdpa", or "eager": the score matrix kept), activation_offload (the
+    layers' saved activations in host memory: est.host["activations"]). optimizer "paged-adamw-8bit" and
+    "paged-adamw" are bitsandbytes' paged optimizers (the same bytes; labkit.plan prices the paging).
     grad_accum and dtype="mixed" on the fake path: the step is measured (in bf16 for "mixed") and the fp32
     buffer (4 bytes/param, alive across steps) and fp32 master weights + Adam state (12 bytes/param in
     place of the measured bf16 state) are added by formula, as a note says.
@@ -86,12 +96,28 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if logits_to_keep is not None:
         logits_to_keep = count("logits_to_keep", logits_to_keep, 0)
+    if max_positions is not None:
+        max_positions = count("max_positions", max_positions, 1)
     if training and logits_to_keep is not None:
         raise ValueError(f"logits_to_keep is for inference (training=False): a training step keeps every "
                          f"position's logits for the loss, got logits_to_keep={logits_to_keep!r} with training=True")
     if method not in ("auto", "formula", "fake"):
         raise ValueError(f"method must be 'auto', 'formula' or 'fake', got {method!r}")
     dtype_bytes(dtype)
+    levers = dict(fused_step=flag("fused_step", fused_step), chunked_ce=chunked_ce, attention=attention,
+                  activation_offload=flag("activation_offload", activation_offload))
+    if chunked_ce not in CHUNKED_CE:
+        raise ValueError(f"chunked_ce must be one of {CHUNKED_CE}, got {chunked_ce!r}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    asked = [f"{k}={v!r}" for k, v in levers.items() if v not in (False, "sdpa")]
+    if training and optimizer and optimizer.startswith("paged-"):
+        asked.append(f"optimizer={optimizer!r}")
+    if asked and not training:
+        raise ValueError(f"{', '.join(asked)}: training levers; inference (training=False) takes none")
+    if asked and method == "fake":
+        raise ValueError(f"{', '.join(asked)}: priced by formula only (method='formula'); labkit.plan.verify "
+                         f"measures what fake tensors can run")
     parallel = as_parallel(parallel, dp=dp, zero=zero, tp=tp, pp=pp, offload=offload)
     if parallel.offload and not training:
         raise ValueError(f"offload moves training state to the CPU; for inference use offload=None, "
@@ -103,6 +129,9 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
         raise ValueError(f"dtype {dtype!r} is for training; for inference use 'bf16' or 'fp16'")
     config = load_config(config)
     shape = model_shape(config)
+    if shape["a"] and shape["kv"] and shape["a"] % shape["kv"]:
+        raise ValueError(f"config num_attention_heads {shape['a']} is not a multiple of num_key_value_heads "
+                         f"{shape['kv']}: each KV head serves a whole group of query heads")
     layout = make_layout(parallel, shape)       # refuses a tp or pp this model cannot have
     longest = max(seq, kv_tokens)
     limit = shape["P"] if max_positions is None else max_positions
@@ -114,11 +143,15 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
     formula_ok = shape["family"] is not None and not (dtype.startswith("amp") and shape["family"] != "llama")
     if method == "formula" and not formula_ok:
         raise ValueError(f"no formula for model_type {shape['model_type']!r} with dtype {dtype!r}; use method='fake'")
+    if asked and not formula_ok:
+        raise ValueError(f"{', '.join(asked)}: priced by formula only, and model_type {shape['model_type']!r} "
+                         f"with dtype {dtype!r} has none here")
     if method == "fake" or not formula_ok:
         est = fake_estimate(config, batch, seq, dtype, optimizer, training, recompute, kv_tokens, foreach,
                             logits_to_keep, grad_accum)
     elif training:
-        est = training_step(shape, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, device, layout)
+        est = training_step(shape, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, device, layout,
+                            **levers)
     else:
         est = inference(shape, batch, seq, dtype, kv_tokens, 1 if logits_to_keep is None else logits_to_keep)
     if est.method == "fake" or not training:

@@ -21,16 +21,18 @@ from dataclasses import dataclass, field
 from ..units import fmt_bytes, parse_bytes
 from .checks import count
 from .config import build_model, get, load_config, model_shape
+from .levers import (ATTENTIONS, CE_CHUNK, OUTPUT_CHUNKS, eager_score_bytes, fused_step_moments,  # noqa: F401
+                     loss_terms, offloaded_activations)                                        # (CE_CHUNK: verify)
 from .sharding import as_parallel, gathered, make_layout, move_to_host, parallel_note, shard
 
-__all__ = ["DTYPES", "OPTIMIZERS", "CATS", "Estimate", "param_count", "linear_params", "kv_cache_bytes",
-           "kv_capacity", "korthikanti_bytes", "dtype_bytes", "device_type", "layer_terms", "head_terms",
-           "loss_bytes", "mask_bytes", "activation_bytes_per_token", "states", "model_states", "training_step",
-           "total_bytes", "peak_moment", "largest_layer", "inference"]
+__all__ = ["DTYPES", "OPTIMIZERS", "CATS", "Estimate", "param_count", "linear_params", "kv_cache_bytes", "kv_capacity",
+           "korthikanti_bytes", "dtype_bytes", "device_type", "layer_terms", "head_terms", "loss_bytes",
+           "mask_bytes", "activation_bytes_per_token", "states", "model_states", "training_step", "total_bytes",
+           "peak_moment", "largest_layer", "inference"]
 
 # dtype -> (bytes per weight/gradient element, bytes per 16/32-bit activation element)
 DTYPES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "mixed": (2, 2), "amp-bf16": (4, 2), "amp-fp16": (4, 2)}
-OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "adamw-8bit", None)
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "adamw-8bit", "paged-adamw", "paged-adamw-8bit", None)
 # the categories of memory, as track() files them
 CATS = ("parameters", "gradients", "optimizer", "activations", "kv_cache", "other")
 
@@ -54,6 +56,7 @@ class Estimate:
     parallel: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)      # bytes per category offloaded to CPU memory (offload=)
     largest_layer: int = 0                        # parameters of the largest module (ZeRO-3 gathers it whole)
+    moments: dict = field(default_factory=dict)   # training by formula: bytes per category at each moment
 
     def __repr__(self):
         rows = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.parts.items() if v)
@@ -302,10 +305,15 @@ def states(P, dtype, optimizer, grad_accum, zero=0):
     w = dtype_bytes(dtype)
     if zero >= 3 and grad_accum:      # reduce-scatter writes into the fp32 partition: no w-byte one beside it
         return P * w, 4 * P, states(P, dtype, optimizer, False)[2]
-    state = {"sgd": 0, "sgd-momentum": w, "adam": 2 * w, "adamw": 2 * w, "adamw-8bit": 2 + 8 / 256, None: 0}
+    # bitsandbytes' 8-bit AdamW: two uint8 moments and one fp32 absmax per block of 256 of each (its
+    # blockwise quantization, Dettmers et al. 2022 "8-bit Optimizers via Block-wise Quantization");
+    # bitsandbytes' paged optimizers hold the same bytes in CUDA unified memory (what paging changes is
+    # where they live when the device runs short: labkit.plan.paged_optimizer), its 32-bit AdamW in fp32
+    state = {"sgd": 0, "sgd-momentum": w, "adam": 2 * w, "adamw": 2 * w, "adamw-8bit": 2 + 8 / 256,
+             "paged-adamw-8bit": 2 + 8 / 256, "paged-adamw": 8, None: 0}
     opt = int(P * state[optimizer])
     if dtype == "mixed":       # fp32 master weights (4) + the optimizer's state kept in fp32
-        fp32_state = {"sgd": 0, "sgd-momentum": 4, "adam": 8, "adamw": 8, "adamw-8bit": 2 + 8 / 256, None: 0}
+        fp32_state = dict(state, **{"sgd-momentum": 4, "adam": 8, "adamw": 8})
         opt = int(P * (4 + fp32_state[optimizer]))
     return P * w, P * w + 4 * P * bool(grad_accum), opt
 
@@ -324,34 +332,50 @@ def peak_moment(moments):
     return best
 
 
-def training_step(shape, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, device, layout=None):
+def training_step(shape, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, device, layout=None,
+                  fused_step=False, chunked_ce=False, attention="sdpa", activation_offload=False):
     """The Estimate of a training step by formula: its moments (start of backward, optimizer step,
-    recomputation), each divided for one rank of `layout` (sharding.make_layout) when one is given."""
-    P, w, e = param_count(shape["config"]), dtype_bytes(dtype), dtype_bytes(dtype, activations=True)
+    recomputation), each divided for one rank of `layout` (sharding.make_layout) when one is given.
+
+    The levers (each a small function of levers.py, with its source): fused_step (`fused_step_moments`),
+    chunked_ce (`loss_terms`), attention "eager" (`eager_score_bytes`), activation_offload
+    (`offloaded_activations`: est.host["activations"] holds what moved)."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    if "n_params" not in shape:            # a search calls this thousands of times with one shape
+        shape["n_params"] = param_count(shape["config"])
+    P, w, e = shape["n_params"], dtype_bytes(dtype), dtype_bytes(dtype, activations=True)
     amp, tokens, L = dtype.startswith("amp"), batch * seq, shape["L"]
     parts = dict.fromkeys(CATS, 0)
     zero = (layout or {}).get("zero", 0)
     parts["parameters"], parts["gradients"], parts["optimizer"] = states(P, dtype, optimizer, grad_accum, zero)
     accum = 4 * P * bool(grad_accum)          # the buffer lives across steps
     layer, scores = layer_terms(shape, seq, dtype, device=device)
-    head, logits = head_terms(shape, dtype, device=device)
-    head += mask_bytes(shape, seq, dtype)
+    if attention == "eager":
+        eager = eager_score_bytes(shape, seq, e)
+        layer, scores = layer + eager, scores + eager
+    head, _ = head_terms(shape, dtype, device=device)
+    saved, logits, loss_grad = loss_terms(shape, e, loss_bytes(shape, dtype), tokens, chunked_ce)
+    head += saved - loss_bytes(shape, dtype) * shape["V"] + mask_bytes(shape, seq, dtype)
     if recompute == "selective":
         layer -= scores
     if recompute is True or (not isinstance(recompute, bool) and isinstance(recompute, int)):
         k = 1 if recompute is True else min(recompute, L)
-        inp = activation_bytes_per_token(shape["config"], seq, dtype, recompute=True)
-        held, recomputed = -(-L // k) * inp, k * layer
+        inp = (4 if amp else e) * shape["h"]     # the layer's input (activation_bytes_per_token, recompute=True)
+        units, held, recomputed = -(-L // k), -(-L // k) * inp, k * layer
     else:
-        k, held, recomputed = 0, L * layer, 0
+        k, units, held, recomputed = 0, L, L * layer, 0
+    offloaded = 0
+    if activation_offload:
+        held, offloaded = offloaded_activations(held, units)
     cache = e * linear_params(shape) if amp else 0     # autocast's 16-bit weight copies, kept through backward
     parts["activations"] = int(tokens * (held + max(head + logits, recomputed)) + cache)
     largest_tensor = max(shape["V"] * shape["h"], shape["h"] * shape["i"]) * w
-    no_temps = optimizer in ("sgd", "sgd-momentum", "adamw-8bit", None)
+    base = optimizer[len("paged-"):] if optimizer and optimizer.startswith("paged-") else optimizer
+    no_temps = base in ("sgd", "sgd-momentum", "adamw-8bit", None) or base != optimizer   # bitsandbytes: fused kernels
     step_temp = 0 if no_temps else (P * w if foreach else 2 * largest_tensor)
-    # at the start of backward the loss gradient (8V per token, fp32) is live and the logits are gone
-    loss_grad = tokens * 2 * loss_bytes(shape, dtype) * shape["V"]
-    backward = dict(parts, gradients=accum, activations=int(tokens * (held + head) + cache), other=loss_grad)
+    # at the start of backward the loss gradient is live and the logits are gone
+    backward = dict(parts, gradients=accum, activations=int(tokens * (held + head) + cache), other=int(loss_grad))
     step = dict(parts, activations=0, other=step_temp)
     moments = {"start of backward": backward, "optimizer step": step}
     if k:                      # recomputing the top segment (few gradients yet) or the bottom one (most)
@@ -361,6 +385,12 @@ def training_step(shape, batch, seq, dtype, optimizer, recompute, foreach, grad_
                   activations=int(tokens * (held + recomputed) + cache)),
              dict(parts, gradients=parts["gradients"] - w * (k * layer_params + shape["V"] * shape["h"]), other=0,
                   activations=int(tokens * (inp + recomputed) + cache))], key=total_bytes)
+    if fused_step:
+        if grad_accum:
+            raise ValueError("fused_step steps each parameter as soon as its gradient is complete: it cannot "
+                             "accumulate micro-batches (grad_accum=True); torchtune refuses the same")
+        moments = fused_step_moments(moments, largest_tensor, 0 if no_temps else 2 * largest_tensor)
+        parts["gradients"] = largest_tensor
     notes, host, largest = [], {}, largest_layer(shape)
     if layout is not None and (layout["zero"] or layout.get("offload")
                                or any(layout[k] > 1 for k in ("dp", "tp", "pp"))):
@@ -369,14 +399,17 @@ def training_step(shape, batch, seq, dtype, optimizer, recompute, foreach, grad_
                                    0 if n == "optimizer step" else extra, n)[0] for n, p in moments.items()}
         parts, host = move_to_host(shard(parts, layout), layout, extra, extra)
         notes.append(parallel_note(layout))
+    if offloaded:
+        host["activations"] = int(tokens * offloaded / (layout or {}).get("tp", 1))
     first = {n: dict(p, optimizer=0) if n != "optimizer step" else p for n, p in moments.items()}
     phase, peak = peak_moment(moments)
     parts["other"] = peak["other"]
-    if dtype == "mixed" or optimizer == "adamw-8bit":
+    if dtype == "mixed" or base == "adamw-8bit":
         notes.append("first step: the optimizer state is born in step(), as later steps hold it")
     return Estimate(parts=parts, total=sum(peak.values()), peak_parts=peak, params=P, notes=notes,
                     method="formula", phase=phase, first_step=max(sum(p.values()) for p in first.values()),
-                    steady=sum(peak.values()), parallel=dict(layout or {}), host=host, largest_layer=largest)
+                    steady=sum(peak.values()), parallel=dict(layout or {}), host=host, largest_layer=largest,
+                    moments=moments)
 
 
 def largest_layer(shape):

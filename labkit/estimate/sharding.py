@@ -103,7 +103,9 @@ def divisors(layout):
     """What each category is divided by on one rank (a KV cache replicated when tp > kv heads)."""
     mp, dp, z = layout["tp"] * layout["pp"], layout["dp"], layout["zero"]
     kv, per_rank = layout.get("kv_heads"), layout.get("kv_heads_per_rank")
-    cache = Fraction(kv * layout["pp"], per_rank) if kv and per_rank else mp
+    cache = mp
+    if kv and per_rank:                     # an int where it divides evenly (a search calls this often)
+        cache = kv * layout["pp"] // per_rank if kv * layout["pp"] % per_rank == 0 else Fraction(kv * layout["pp"], per_rank)
     return {"parameters": mp * (dp if z >= 3 else 1), "gradients": mp * (dp if z >= 2 else 1),
             "optimizer": mp * (dp if z >= 1 else 1), "activations": layout["tp"],
             "kv_cache": cache, "other": layout["tp"]}

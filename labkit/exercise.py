@@ -1,4 +1,4 @@
-"""Workshop helpers: checks that never hold the answer, and predict-then-measure.
+"""Workshop helpers: exercise checks that catch mistakes and shortcuts, and predict-then-measure.
 
 An exercise is a function the learner completes. Its body sits between `### BEGIN SOLUTION` and
 `### END SOLUTION`; the student build (`make student`, or nbgrader's `generate_assignment`) replaces that
@@ -14,14 +14,22 @@ failing. Under nbgrader's autograde (`NBGRADER_EXECUTION` set) a stub raises, so
 
 `forbid=` names the code the exercise teaches (functions, classes, modules): while the check runs, a
 profile hook watches every call, so an answer that calls into it (imported, aliased, held in a default
-argument or a global, an exec'd copy of its source, a thread it starts) fails with the name it called.
-Compute references before the `with` block: inside it, nothing forbidden may run. What forbid cannot stop
-is an answer that reads a reference the check left where it can reach (a global, or the check's frame
-through sys._getframe): keep references local to a check function, compute the answer first, and try
-more than one input.
+argument or a global, an exec'd copy of its source under the same name, a thread it starts) fails with
+the name it called. Compute references before the `with` block: inside it, nothing forbidden may run.
 
     with lk.exercise(2, "write shard() above", forbid=[labkit.zero]):
         assert torch.equal(shard(flat, rank=1, world=2), want)
+
+What a check is for (the threat model). A check catches mistakes and shortcuts: a wrong or trivial
+answer, a constant or a number typed in where the exercise asks for a measurement (try more than one
+input, and measure something the answer must have done), the unsharded or uncheckpointed computation,
+a call into the code being taught. It runs in the learner's own process, with the learner's code, so it
+cannot stop deliberate introspection: reading the check's reference from a global or from the check's
+own frame (`sys._getframe`, a comprehension's variables), finding an object through `gc`, a renamed copy
+of labkit's code, work hidden in a forked child process. Keeping references local, or computing the
+answer first, does not change that; no check in this workbook claims otherwise, and none adds machinery
+against it. Grading for credit uses nbgrader's autograde with hidden tests, which the learner never
+sees (docs/instructor.md).
 
 Before a headline measurement, a cell asks for a prediction (a variable that is None until the learner
 sets it, so CI runs and nobody is handed an answer); `reveal()` then prints prediction, estimate and

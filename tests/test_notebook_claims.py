@@ -218,25 +218,39 @@ def test_notebook_00s_storage_check_refuses_labkits_own_counting():
         _nb1_refused(nb, check, dict(base), answer)
 
 
-def test_notebook_01s_kv_check_refuses_labkits_formula_by_any_route():
-    """Exercise 2 (KV-cache bytes) answered with lk.kv_cache_bytes held in a default argument, or with
-    labkit.estimate reached through sys.modules: both refused; the answer key passes. The cache that
-    generate() left (measured in the notebook) is stood in for by the formula, which the notebook checks."""
-    import importlib
-    import labkit as lk
-    from transformers import LlamaConfig
-    nb, check = "01_memory_anatomy.ipynb", 'with lk.exercise(2, "complete kv_bytes() above"'
-    size, batch, tokens = "tiny", 4, 144
-    kv_now = lk.kv_cache_bytes(lk.models.config("llama-3-8b", size), batch, tokens, "bf16")
-    base = dict(lk=lk, importlib=importlib, SIZE=size, LAYERS={}, BATCH=batch, kv_tokens=tokens, kv_now=kv_now,
-                opt13b=LlamaConfig(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40))
-    _nb1_check(nb, check, dict(base), _nb1_key(nb, "def kv_bytes("))
-    held = ("def kv_bytes(config, batch, tokens, bytes_per_element, _f=lk.kv_cache_bytes):\n"
-            "    return _f(config, batch, tokens, {2: 'bf16', 4: 'fp32'}[bytes_per_element])")
-    module = ("def kv_bytes(config, batch, tokens, bytes_per_element):\n    import sys\n"
-              "    return sys.modules['labkit.estimate'].kv_cache_bytes(config, batch, tokens, 'bf16')")
+def _nb01_saved_bytes_namespace():
+    """Notebook 01's parameters cell and its per-family cell (lk.track's one-layer reference), run at tiny size."""
+    import contextlib
+    import io
+    nb, ns = "01_memory_anatomy.ipynb", {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(next(src for _, src in code_cells(ROOT / "notebooks" / nb)), ns)
+        exec("import importlib\nfrom labkit.estimate import activation_bytes_per_token", ns)
+        exec(_cell_defining(nb, "one_layer = {}"), ns)
+    return ns
+
+
+def test_notebook_01s_saved_bytes_check_refuses_labkits_counters_by_any_route():
+    """Exercise 2 (what autograd keeps) answered with lk.track held in a default argument, or with labkit's
+    SavedBytesByDevice reached through sys.modules: both refused; the answer key passes; counting every save
+    without merging shared storages fails on the bytes."""
+    nb, check = "01_memory_anatomy.ipynb", 'with lk.exercise(2, "complete saved_bytes() above"'
+    _nb1_check(nb, check, _nb01_saved_bytes_namespace(), _nb1_key(nb, "def saved_bytes("))
+    held = ("def saved_bytes(model, ids, _track=lk.track):\n    with _track(model) as m:\n"
+            "        out = model(input_ids=ids, use_cache=False)\n    return m.at('forward end')['activations']")
+    module = ("def saved_bytes(model, ids):\n    import sys\n"
+              "    with sys.modules['labkit.copies'].SavedBytesByDevice() as s:\n"
+              "        out = model(input_ids=ids, use_cache=False)\n"
+              "    return sum(s.bytes.values()) - sum(p.nbytes for p in model.parameters())")
     for answer in (held, module):
-        _nb1_refused(nb, check, dict(base), answer)
+        _nb1_refused(nb, check, _nb01_saved_bytes_namespace(), answer)
+    every_save = ("def saved_bytes(model, ids):\n    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}\n"
+                  "    total = []\n    def pack(t):\n        if t.untyped_storage().data_ptr() not in weights:\n"
+                  "            total.append(t.untyped_storage().nbytes())\n        return t\n"
+                  "    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):\n"
+                  "        out = model(input_ids=ids, use_cache=False)\n    return sum(total)")
+    with pytest.raises(AssertionError, match="each once"):
+        _nb1_check(nb, check, _nb01_saved_bytes_namespace(), every_save)
 
 
 def test_notebook_02s_scaler_check_refuses_pytorchs_own_scaling():
@@ -294,20 +308,101 @@ def test_notebook_00s_storage_check_refuses_pytorchs_tracker_and_fails_a_copied_
         _nb1_check(nb, check, dict(torch=torch, lk=lk), "def storage_bytes(tensors):\n    return cases[0][1]")
 
 
-def test_notebook_00s_sgd_check_fails_an_answer_that_measures_nothing():
-    """Exercise 2's answer is a number a learner can guess (8): the check also wants the SGD step to have run,
-    so returning the constant (or the check's own reference, `want`) fails; the answer key passes."""
+def test_notebook_00s_optimizer_check_fails_an_answer_that_measures_nothing():
+    """Exercise 2's answers are numbers a learner can guess (8 for SGD): the check asks for two optimizers and
+    wants each step to have run, so a typed-in 8 (even after an untracked step), or the check's own reference,
+    fails; the answer key passes."""
     import importlib
     import torch
     import labkit as lk
-    nb, check = "00_start_here.ipynb", 'with lk.exercise(2, "complete sgd_states_per_param() above"'
+    nb, check = "00_start_here.ipynb", 'with lk.exercise(2, "complete states_per_param() above"'
     model = lk.models.build("llama-2-7b", "tiny", dtype=torch.float32)
     base = dict(torch=torch, lk=lk, importlib=importlib, model=model, batches=lk.data.batches(2, 32),
                 BATCH=2, SEQ=32, per_param=16.0)
-    _nb1_check(nb, check, dict(base), _nb1_key(nb, "def sgd_states_per_param("))
-    for answer in ("def sgd_states_per_param():\n    return 8.0", "def sgd_states_per_param():\n    return want"):
+    _nb1_check(nb, check, dict(base), _nb1_key(nb, "def states_per_param("))
+    untracked = ("def states_per_param(make_optimizer):\n    o = make_optimizer(model.parameters())\n"
+                 "    ids = next(batches)\n    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()\n"
+                 "    o.step()\n    o.zero_grad(set_to_none=True)\n    return 8.0")
+    with pytest.raises(AssertionError, match="SGD with momentum: one step"):
+        _nb1_check(nb, check, dict(base), untracked)
+    for answer in ("def states_per_param(make_optimizer):\n    return 8.0",
+                   "def states_per_param(make_optimizer):\n    return want"):
         with pytest.raises(AssertionError, match="weights did not move"):
             _nb1_check(nb, check, dict(base), answer)
+
+
+def test_notebook_00s_allocator_cell_accepts_a_plausible_allocator_and_refuses_impossible_ones(monkeypatch):
+    """The CUDA branch of 00's allocator cell, run on a CPU: lk.track stands in for the allocator's books
+    (mem.cuda) with chosen figures. Growth equal to the tracker's plus 512-byte rounding and some workspace
+    passes; an allocator that grew less than the tracker counted, or far more than rounding and workspace
+    allow, fails the cell's assert."""
+    import types
+    import torch
+    import labkit as lk
+    src = _cell_defining("00_start_here.ipynb", "step_mem.cuda is None")
+    model = lk.models.build("llama-2-7b", "tiny")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    fixed = next(lk.data.batches(2, 32))
+
+    def fixed_step():
+        model(input_ids=fixed, labels=fixed, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    fixed_step()
+    untracked = 4 * 2**20                                   # e.g. cuBLAS's workspace, made before the block
+
+    def run(extra):
+        """The cell, with the allocator's growth = the tracker's + `extra` bytes."""
+        class Books:
+            def __init__(self, *objs, device=None):
+                self.inner = lk.track(*objs)
+            def __enter__(self):
+                return self.inner.__enter__()
+            def __exit__(self, *exc):
+                out = self.inner.__exit__(*exc)
+                r = self.inner
+                start = r.start + untracked
+                r.cuda = dict(allocated_start=start, peak_allocated=start + r.peak - r.start + extra,
+                              peak_reserved=start + r.peak - r.start + extra + 2**21)
+                return out
+        shim = types.SimpleNamespace(track=Books, fmt_bytes=lk.fmt_bytes, MiB=lk.MiB)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2**33, 2**34), raising=False)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 2**32, raising=False)
+        ns = dict(torch=torch, lk=shim, model=model, opt=opt, fixed_step=fixed_step, DEVICE=torch.device("cuda"),
+                  BATCH=2, SEQ=32, CONFIG=model.config)
+        exec(src, ns)
+        return ns
+
+    ns = run(511 * 40)                                       # rounding of 40 blocks: within the bound
+    assert ns["grown"] - ns["counted"] == 511 * 40
+    with pytest.raises(AssertionError, match="at least its size"):
+        run(-1)                                              # the allocator below the tracker: impossible
+    with pytest.raises(AssertionError):
+        run(2**31)                                           # 2 GiB more: neither rounding nor workspace
+
+
+def test_notebook_01s_allocator_books_accept_rounding_and_refuse_a_short_allocator():
+    """01's allocator_books() (the CUDA branch beside the baseline table), run on a CPU with the allocator's
+    figures chosen: the tracker's growth plus rounding passes; less than the tracker counted fails."""
+    import torch
+    import labkit as lk
+    ns = dict(torch=torch, lk=lk, DEVICE=torch.device("cpu"), SIZE="tiny", LAYERS={}, BATCH=2, SEQ=32, rows=[])
+    exec(_cell_defining("01_memory_anatomy.ipynb", "def allocator_books("), ns)
+    model = lk.models.build("llama-2-7b", "tiny")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ids = next(lk.data.batches(2, 32))
+    with lk.track(model, opt) as mem:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+    for extra, ok in ((0, True), (511 * 10, True), (-512, False)):
+        start = mem.start + 2**20
+        mem.cuda = dict(allocated_start=start, peak_allocated=start + mem.peak - mem.start + extra, peak_reserved=2**40)
+        if ok:
+            ns["allocator_books"]("llama-2-7b", "fp32", "sgd", mem)
+        else:
+            with pytest.raises(AssertionError):
+                ns["allocator_books"]("llama-2-7b", "fp32", "sgd", mem)
 
 
 def test_notebook_02s_checks_refuse_fsdps_scaler_and_the_checks_own_measurement():

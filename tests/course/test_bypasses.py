@@ -27,13 +27,14 @@ BYPASSES = {
                 return _count(tensors)
             """),
         ("00-ex2", ["labkit.estimate"], """
-            def sgd_states_per_param():                     # a step, so the weights move, then the formula
-                sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+            def states_per_param(make_optimizer):           # a step, so the weights move, then the formula
+                optimizer = make_optimizer(model.parameters())
                 ids = next(batches)
                 model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-                sgd.step()
-                sgd.zero_grad(set_to_none=True)
-                e = lk.estimate(model.config, batch=BATCH, seq=SEQ, dtype="fp32", optimizer="sgd")
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                kind = "sgd-momentum" if optimizer.defaults["momentum"] else "sgd"
+                e = lk.estimate(model.config, batch=BATCH, seq=SEQ, dtype="fp32", optimizer=kind)
                 return (e.parts["parameters"] + e.parts["gradients"] + e.parts["optimizer"]) / e.params
             """),
     ],
@@ -65,6 +66,29 @@ BYPASSES = {
                     torch._amp_update_scale_(scale, clean, found, self.growth, self.backoff, self.interval)
                     self._scale, self._clean = scale.cpu(), clean.cpu()
                     return stepped
+            """),
+        ("02-ex2", ["labkit.zero"], """
+            import tempfile
+            import torch.distributed as dist
+            from labkit.zero import Zero
+
+            class MasterWeights:
+                \"\"\"labkit's ZeRO engine at stage 0 (one rank): fp32 masters, AdamW and the copy back.\"\"\"
+                def __init__(self, params, lr, **adamw):
+                    self.params = list(params)
+                    if not dist.is_initialized():
+                        dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
+                    holder = torch.nn.Module()
+                    holder.weights = torch.nn.ParameterList(self.params)
+                    self.engine = Zero(holder, stage=0, lr=lr, **adamw)
+                    self.master = self.engine.master
+
+                def step(self):
+                    self.engine.step()
+
+                def zero_grad(self, set_to_none=True):
+                    for p in self.params:
+                        p.grad = None
             """),
     ],
     "07": [
@@ -112,6 +136,13 @@ BYPASSES = {
             """),
     ],
     "09": [
+        ("09-ex2", ["gpipe_bubble"], """
+            def smallest_microbatches(p, target):        # a search with the check's own replay of GPipe
+                m = 1
+                while gpipe_bubble(p, m) >= Fraction(str(target)):    # the replay counts in exact fractions
+                    m += 1
+                return m
+            """),
         ("09-ex3", ["labkit.parallel.CopyToParallel.backward", "labkit.parallel.ReduceFromParallel.forward"], """
             import labkit.parallel as _par
 
@@ -158,7 +189,7 @@ BYPASSES = {
             def states_8bit_adam(params):
                 return sum(model_states(params, dtype="mixed", optimizer="adamw-8bit").values())
             """),
-        ("13-ex2", ["labkit.plan.offload_seconds"], """
+        ("13-ex2", ["labkit.plan.offload_seconds", "labkit.plan.cost.offload_seconds"], """
             from labkit.plan import offload_seconds
 
             def my_offload_seconds(params, accum, pcie_bps, cpu_bps):

@@ -21,6 +21,904 @@ NOTEBOOKS = {p.name[:2]: p for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipyn
 
 # notebook -> [(exercise id, why it is wrong, the answer's source)]: the answer replaces the solution cell.
 WRONG = {
+    "00": [
+        ("00-ex2", "8.0 typed in after an untracked step", """
+            def states_per_param(make_optimizer):
+                optimizer = make_optimizer(model.parameters())
+                ids = next(batches)
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                return 8.0
+            """),
+        ("00-ex2", "the whole peak per parameter: activations and the loss gradient included", """
+            def states_per_param(make_optimizer):
+                optimizer = make_optimizer(model.parameters())
+                ids = next(batches)
+                with lk.track(model, optimizer) as m:
+                    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                return m.peak / sum(p.numel() for p in model.parameters())
+            """),
+        ("00-ex2", "the states at the step's peak (peak_parts), when no gradient exists yet", """
+            def states_per_param(make_optimizer):
+                optimizer = make_optimizer(model.parameters())
+                ids = next(batches)
+                with lk.track(model, optimizer) as m:
+                    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                states = m.peak_parts["parameters"] + m.peak_parts["gradients"] + m.peak_parts["optimizer"]
+                return states / sum(p.numel() for p in model.parameters())
+            """),
+        ("00-ex2", "a step of the notebook's AdamW, not of the optimizer it was given", """
+            def states_per_param(make_optimizer):
+                ids = next(batches)
+                with lk.track(model, opt) as m:
+                    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                states = m.max_parts["parameters"] + m.max_parts["gradients"] + m.max_parts["optimizer"]
+                return states / sum(p.numel() for p in model.parameters())
+            """),
+        ("00-ex3", "a constant: the answer for one limit", """
+            def largest_batch(limit):
+                return 9
+            """),
+        ("00-ex3", "the batch scaled with the limit, as if the model states grew with it", """
+            def largest_batch(limit):
+                return int(BATCH * limit / mem.peak)
+            """),
+        ("00-ex3", "off by one: the first batch that does not fit", """
+            def largest_batch(limit):
+                batch = 1
+                while lk.estimate(model.config, batch=batch, seq=SEQ, dtype="fp32", optimizer="adamw").total <= limit:
+                    batch += 1
+                return batch
+            """),
+        ("00-ex3", "the published 7B (PRESET) estimated instead of this run's model", """
+            def largest_batch(limit):
+                batch = 1
+                while lk.estimate(PRESET, batch=batch + 1, seq=SEQ, dtype="fp32", optimizer="adamw").total <= limit:
+                    batch += 1
+                return batch
+            """),
+    ],
+    "01": [
+        ("01-ex1", "every parameter at 4 bytes, whatever its dtype", """
+            def state_bytes(parameters, optimizer):
+                copies = {"adamw": 4, "sgd-momentum": 3, "sgd": 2}[optimizer]
+                return sum(p.numel() * 4 * copies for p in parameters)
+            """),
+        ("01-ex2", "every save counted: a storage saved by several operations counted again", """
+            def saved_bytes(model, ids):
+                weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+                total = []
+                def pack(t):
+                    if t.untyped_storage().data_ptr() not in weights:
+                        total.append(t.untyped_storage().nbytes())
+                    return t
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = model(input_ids=ids, use_cache=False)
+                return sum(total)
+            """),
+        ("01-ex2", "the weights a matmul saves counted as activations", """
+            def saved_bytes(model, ids):
+                saved = {}
+                def pack(t):
+                    saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    return t
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = model(input_ids=ids, use_cache=False)
+                return sum(saved.values())
+            """),
+        ("01-ex2", "the forward run under no_grad: autograd saves nothing", """
+            def saved_bytes(model, ids):
+                saved = {}
+                def pack(t):
+                    saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    return t
+                with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = model(input_ids=ids, use_cache=False)
+                return sum(saved.values())
+            """),
+        ("01-ex2", "lk.track's activations at the end of forward: labkit's count, not yours", """
+            def saved_bytes(model, ids):
+                with lk.track(model) as m:
+                    out = model(input_ids=ids, use_cache=False)
+                return m.at("forward end")["activations"]
+            """),
+    ],
+    "02": [
+        ("02-ex1", "gradients never unscaled before the step", """
+            class LossScaler:
+                def __init__(self, scale=2.0**16, growth=2.0, backoff=0.5, interval=2000):
+                    self.scale, self.growth, self.backoff, self.interval = scale, growth, backoff, interval
+                    self.clean = 0
+
+                def scale_loss(self, loss):
+                    return loss * self.scale
+
+                def step(self, optimizer):
+                    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+                    finite = all(torch.isfinite(g).all() for g in grads)
+                    if finite:
+                        optimizer.step()
+                        self.clean += 1
+                        if self.clean == self.interval:
+                            self.scale, self.clean = self.scale * self.growth, 0
+                    else:
+                        self.scale, self.clean = self.scale * self.backoff, 0
+                    return finite
+            """),
+        ("02-ex1", "the step taken even when a gradient overflowed", """
+            class LossScaler:
+                def __init__(self, scale=2.0**16, growth=2.0, backoff=0.5, interval=2000):
+                    self.scale, self.growth, self.backoff, self.interval = scale, growth, backoff, interval
+                    self.clean = 0
+
+                def scale_loss(self, loss):
+                    return loss * self.scale
+
+                def step(self, optimizer):
+                    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+                    for g in grads:
+                        g.div_(self.scale)
+                    finite = all(torch.isfinite(g).all() for g in grads)
+                    optimizer.step()
+                    if finite:
+                        self.clean += 1
+                        if self.clean == self.interval:
+                            self.scale, self.clean = self.scale * self.growth, 0
+                    else:
+                        self.scale, self.clean = self.scale * self.backoff, 0
+                    return finite
+            """),
+        ("02-ex1", "the count of clean steps not reset after a backoff", """
+            class LossScaler:
+                def __init__(self, scale=2.0**16, growth=2.0, backoff=0.5, interval=2000):
+                    self.scale, self.growth, self.backoff, self.interval = scale, growth, backoff, interval
+                    self.clean = 0
+
+                def scale_loss(self, loss):
+                    return loss * self.scale
+
+                def step(self, optimizer):
+                    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+                    for g in grads:
+                        g.div_(self.scale)
+                    finite = all(torch.isfinite(g).all() for g in grads)
+                    if finite:
+                        optimizer.step()
+                        self.clean += 1
+                        if self.clean % self.interval == 0:
+                            self.scale = self.scale * self.growth
+                    else:
+                        self.scale = self.scale * self.backoff
+                    return finite
+            """),
+        ("02-ex2", "labkit.zero.Zero(stage=0): fp32 masters, AdamW and the copy back, found in the library", """
+            import tempfile
+            import torch.distributed as dist
+            from labkit.zero import Zero
+
+            class MasterWeights:
+                def __init__(self, params, lr, **adamw):
+                    self.params = list(params)
+                    if not dist.is_initialized():
+                        dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
+                    holder = torch.nn.Module()
+                    holder.weights = torch.nn.ParameterList(self.params)
+                    self.engine = Zero(holder, stage=0, lr=lr, **adamw)
+                    self.master = self.engine.master
+
+                def step(self):
+                    self.engine.step()
+
+                def zero_grad(self, set_to_none=True):
+                    for p in self.params:
+                        p.grad = None
+            """),
+        ("02-ex2", "fp32 master copies updated but never copied back into the bf16 weights", """
+            class MasterWeights:
+                def __init__(self, params, lr, **adamw):
+                    self.params = list(params)
+                    self.master = [p.detach().float() for p in self.params]
+                    self.adamw = torch.optim.AdamW(self.master, lr=lr, **adamw)
+
+                @torch.no_grad()
+                def step(self):
+                    for p, m in zip(self.params, self.master):
+                        m.grad = p.grad.float()
+                    self.adamw.step()
+
+                def zero_grad(self, set_to_none=True):
+                    for p in self.params:
+                        p.grad = None
+            """),
+        ("02-ex2", "master copies kept in bf16: the updates round away in them too", """
+            class MasterWeights:
+                def __init__(self, params, lr, **adamw):
+                    self.params = list(params)
+                    self.master = [p.detach().clone() for p in self.params]
+                    self.adamw = torch.optim.AdamW(self.master, lr=lr, **adamw)
+
+                @torch.no_grad()
+                def step(self):
+                    for p, m in zip(self.params, self.master):
+                        m.grad = p.grad.clone()
+                    self.adamw.step()
+                    for p, m in zip(self.params, self.master):
+                        p.copy_(m)
+
+                def zero_grad(self, set_to_none=True):
+                    for p in self.params:
+                        p.grad = None
+            """),
+    ],
+    "03": [
+        ("03-ex1", "the graph kept from forward and reused: nothing recomputed, nothing saved", """
+            class Recompute(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, fn, x):
+                    ctx.save_for_backward(x)
+                    with torch.enable_grad():
+                        ctx.x = x.detach().requires_grad_(True)
+                        ctx.y = fn(ctx.x)
+                    return ctx.y.detach()
+
+                @staticmethod
+                def backward(ctx, grad_y):
+                    torch.autograd.backward(ctx.y, grad_y)
+                    return None, ctx.x.grad
+            """),
+        ("03-ex1", "backward takes the gradient of x alone: the weights get none", """
+            class Recompute(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, fn, x):
+                    ctx.fn = fn
+                    ctx.save_for_backward(x)
+                    with torch.no_grad():
+                        return fn(x)
+
+                @staticmethod
+                def backward(ctx, grad_y):
+                    (x,) = ctx.saved_tensors
+                    x = x.detach().requires_grad_(True)
+                    with torch.enable_grad():
+                        y = ctx.fn(x)
+                    (grad_x,) = torch.autograd.grad(y, x, grad_y)
+                    return None, grad_x
+            """),
+        ("03-ex2", "the model returned unchanged", """
+            def checkpoint_mlps(model):
+                return model
+            """),
+        ("03-ex2", "the whole decoder layer checkpointed, not its MLP", """
+            def checkpoint_mlps(model):
+                class Checkpointed(torch.nn.Module):
+                    def __init__(self, layer):
+                        super().__init__()
+                        self.layer = layer
+
+                    def forward(self, *args, **kwargs):
+                        return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
+
+                model.model.layers = torch.nn.ModuleList(Checkpointed(layer) for layer in model.model.layers)
+                return model
+            """),
+        ("03-ex2", "reentrant checkpointing: no early stop, down_proj recomputed too", """
+            def checkpoint_mlps(model):
+                class CheckpointedMLP(torch.nn.Module):
+                    def __init__(self, mlp):
+                        super().__init__()
+                        self.mlp = mlp
+
+                    def forward(self, x):
+                        return checkpoint(self.mlp, x, use_reentrant=True)
+
+                for layer in model.model.layers:
+                    layer.mlp = CheckpointedMLP(layer.mlp)
+                return model
+            """),
+    ],
+    "04": [
+        ("04-ex1", "every saved tensor to bf16, no rules: integer labels come back as floats", """
+            class Bf16Hooks:
+                def __init__(self, weights, min_bytes=1024):
+                    self.weights, self.min_bytes = weights, min_bytes
+
+                def pack(self, t):
+                    return (t.to(torch.bfloat16),)
+
+                def unpack(self, packed):
+                    return packed[0].float()
+            """),
+        ("04-ex1", "the rules but no sharing: a tensor saved by several ops is compressed once per op", """
+            class Bf16Hooks:
+                def __init__(self, weights, min_bytes=1024):
+                    self.weights, self.min_bytes = weights, min_bytes
+
+                def pack(self, t):
+                    if t.dtype != torch.float32 or t.nbytes < self.min_bytes or t.untyped_storage().data_ptr() in self.weights:
+                        return t
+                    return (t.to(torch.bfloat16),)
+
+                def unpack(self, packed):
+                    return packed if isinstance(packed, torch.Tensor) else packed[0].float()
+            """),
+        ("04-ex1", "the weights compressed too: backward multiplies by rounded weights", """
+            class Bf16Hooks:
+                def __init__(self, weights, min_bytes=1024):
+                    self.weights, self.min_bytes, self.packed = weights, min_bytes, {}
+
+                def pack(self, t):
+                    if t.dtype != torch.float32 or t.nbytes < self.min_bytes:
+                        return t
+                    key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                    if key not in self.packed:
+                        self.packed[key] = (t.to(torch.bfloat16),)
+                    return self.packed[key]
+
+                def unpack(self, packed):
+                    return packed if isinstance(packed, torch.Tensor) else packed[0].float()
+            """),
+        ("04-ex1", "hooks that compress nothing (a copy that saves nothing)", """
+            class Bf16Hooks:
+                def __init__(self, weights, min_bytes=1024):
+                    pass
+
+                def pack(self, t):
+                    return t.clone()
+
+                def unpack(self, packed):
+                    return packed
+            """),
+        ("04-ex2", "a file of zeros the right size, the values kept in memory", """
+            import os, uuid
+            import numpy as np
+
+            def pack_to_disk(t, folder):
+                path = folder / f"{uuid.uuid4().hex}.bin"
+                np.zeros(t.numel(), dtype=np.float32).tofile(path)
+                return path, t.detach().cpu().numpy().copy(), t.shape
+
+            def unpack_from_disk(packed):
+                path, values, shape = packed
+                os.remove(path)
+                return torch.from_numpy(values).view(shape)
+            """),
+        ("04-ex2", "the right file, but unpack reads a copy kept in numpy", """
+            import os, uuid
+            import numpy as np
+
+            def pack_to_disk(t, folder):
+                path = folder / f"{uuid.uuid4().hex}.bin"
+                values = t.detach().cpu().numpy().copy()
+                values.tofile(path)
+                return path, values, t.shape
+
+            def unpack_from_disk(packed):
+                path, values, shape = packed
+                os.remove(path)
+                return torch.from_numpy(values).view(shape)
+            """),
+        ("04-ex2", "the file written, the tensor itself kept", """
+            import os, uuid
+
+            def pack_to_disk(t, folder):
+                path = folder / f"{uuid.uuid4().hex}.bin"
+                t.detach().cpu().numpy().tofile(path)
+                return path, t
+
+            def unpack_from_disk(packed):
+                path, t = packed
+                os.remove(path)
+                return t
+            """),
+        ("04-ex2", "the values read back, the file never deleted", """
+            import uuid
+            import numpy as np
+
+            def pack_to_disk(t, folder):
+                path = folder / f"{uuid.uuid4().hex}.bin"
+                t.detach().cpu().numpy().tofile(path)
+                return path, t.shape
+
+            def unpack_from_disk(packed):
+                path, shape = packed
+                return torch.from_numpy(np.fromfile(path, dtype=np.float32)).view(shape)
+            """),
+    ],
+    "05": [
+        ("05-ex1", "the smallest block that fits, the max_split_size rules left out", """
+            def my_best_fit(free_blocks, size, max_split=None):
+                fits = [b for b in free_blocks if b[0] >= size]
+                return min(fits) if fits else None
+            """),
+        ("05-ex1", "first fit: the first block in the list that is large enough", """
+            def my_best_fit(free_blocks, size, max_split=None):
+                return next((b for b in free_blocks if b[0] >= size), None)
+            """),
+        ("05-ex1", "oversize blocks kept from small requests, but no limit on how much larger a big request's block may be", """
+            def my_best_fit(free_blocks, size, max_split=None):
+                fits = [b for b in free_blocks if b[0] >= size]
+                if not fits:
+                    return None
+                best = min(fits)
+                if max_split is not None and size < max_split and best[0] >= max_split:
+                    return None
+                return best
+            """),
+        ("05-ex2", "every size rounded to a multiple of 512, the divisions ignored", """
+            def my_round_size(size, divisions):
+                return max(512, -(-size // 512) * 512)
+            """),
+        ("05-ex2", "every size rounded up to the next power of two", """
+            def my_round_size(size, divisions):
+                return max(512, 1 << (size - 1).bit_length())
+            """),
+        ("05-ex2", "divisions applied to every size, small ones too", """
+            def my_round_size(size, divisions):
+                if size < 512:
+                    return 512
+                if divisions > 1:
+                    floor = 1 << (size.bit_length() - 1)
+                    if floor == size:
+                        return size
+                    step = max(1, floor // divisions)
+                    return -(-size // step) * step
+                return -(-size // 512) * 512
+            """),
+    ],
+    "06": [
+        ("06-ex1", "the two codes of a byte in the wrong order (the first in the low nibble)", """
+            def nf4_quantize(w, block=BLOCK):
+                x = w.reshape(-1, block).float()
+                absmax = x.abs().amax(dim=1)
+                codes = (x[..., None] / absmax[:, None, None] - NF4).abs().argmin(-1).flatten().to(torch.uint8)
+                return codes[0::2] | (codes[1::2] << 4), absmax
+            """),
+        ("06-ex1", "one absmax for the whole tensor instead of one per block", """
+            def nf4_quantize(w, block=BLOCK):
+                x = w.reshape(-1, block).float()
+                absmax = x.abs().max().expand(x.shape[0]).clone()
+                codes = (x[..., None] / absmax[:, None, None] - NF4).abs().argmin(-1).flatten().to(torch.uint8)
+                return (codes[0::2] << 4) | codes[1::2], absmax
+            """),
+        ("06-ex2", "a zero block divided by its zero scale: NaN", """
+            def int4_absmax(w, block=BLOCK):
+                x = w.reshape(-1, block)
+                scale = x.abs().amax(dim=1, keepdim=True) / 7
+                return (torch.round(x / scale).clamp(-7, 7) * scale).reshape(w.shape)
+            """),
+        ("06-ex2", "16 levels, -8..7, with scale absmax / 8", """
+            def int4_absmax(w, block=BLOCK):
+                x = w.reshape(-1, block)
+                scale = x.abs().amax(dim=1, keepdim=True) / 8
+                q = torch.where(scale > 0, torch.round(x / scale.clamp_min(1e-30)), 0).clamp(-8, 7)
+                return (q * scale).reshape(w.shape)
+            """),
+        ("06-ex3", "a number typed in", """
+            def adapter_bytes(cfg, rank):
+                return 64
+            """),
+        ("06-ex3", "k_proj and v_proj as wide as q_proj: grouped-query attention forgotten", """
+            def adapter_bytes(cfg, rank):
+                h, i = cfg.hidden_size, cfg.intermediate_size
+                projections = [(h, h)] * 4 + [(h, i), (h, i), (i, h)]
+                return cfg.num_hidden_layers * rank * sum(a + b for a, b in projections) * 12
+            """),
+        ("06-ex3", "the adapters' bf16 weights alone, no gradients or moments", """
+            def adapter_bytes(cfg, rank):
+                h, i = cfg.hidden_size, cfg.intermediate_size
+                kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+                projections = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+                return cfg.num_hidden_layers * rank * sum(a + b for a, b in projections) * 2
+            """),
+        ("06-ex3", "LoRA's usual q_proj and v_proj only", """
+            def adapter_bytes(cfg, rank):
+                h = cfg.hidden_size
+                kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+                return cfg.num_hidden_layers * rank * ((h + h) + (h + kv)) * 12
+            """),
+    ],
+    "07": [
+        ("07-ex1", "each block hashed alone, without the hash before it", """
+            def my_block_hashes(token_ids, block_size):
+                return [hash(tuple(token_ids[i:i + block_size]))
+                        for i in range(0, len(token_ids) - block_size + 1, block_size)]
+            """),
+        ("07-ex1", "the partly filled last block hashed too", """
+            def my_block_hashes(token_ids, block_size):
+                hashes, previous = [], None
+                for start in range(0, len(token_ids), block_size):
+                    previous = hash((previous, tuple(token_ids[start:start + block_size])))
+                    hashes.append(previous)
+                return hashes
+            """),
+        ("07-ex2", "NOW whenever the blocks are free: the watermark ignored", """
+            def admission(free_blocks, total_blocks, need, watermark_blocks):
+                if need > total_blocks:
+                    return NEVER
+                return NOW if need <= free_blocks else LATER
+            """),
+        ("07-ex2", "NEVER judged by the free blocks instead of the whole pool", """
+            def admission(free_blocks, total_blocks, need, watermark_blocks):
+                if free_blocks - need >= watermark_blocks:
+                    return NOW
+                return NEVER
+            """),
+        ("07-ex3", "at most one new block per call", """
+            def my_append(allocator, table, length, count):
+                if count and length % allocator.block_size == 0:
+                    table.append(allocator.allocate())
+                return length + count
+            """),
+        ("07-ex3", "new blocks for the count alone, the room left in the last block ignored", """
+            def my_append(allocator, table, length, count):
+                for _ in range(-(-count // allocator.block_size)):
+                    table.append(allocator.allocate())
+                return length + count
+            """),
+        ("07-ex4", "a copy of every partly filled last block, shared or not", """
+            def my_write_token(allocator, table, length, copies):
+                if length % allocator.block_size:
+                    fresh = allocator.allocate()
+                    copies.append((table[-1], fresh))
+                    allocator.free(table[-1])
+                    table[-1] = fresh
+                else:
+                    table.append(allocator.allocate())
+                return length + 1
+            """),
+        ("07-ex4", "the copy made, the shared block's reference never given back", """
+            def my_write_token(allocator, table, length, copies):
+                if length % allocator.block_size and allocator.ref_count[table[-1]] > 1:
+                    fresh = allocator.allocate()
+                    copies.append((table[-1], fresh))
+                    table[-1] = fresh
+                elif length % allocator.block_size == 0:
+                    table.append(allocator.allocate())
+                return length + 1
+            """),
+    ],
+    "08": [
+        ("08-ex1", "the running sum and accumulator not rescaled when the maximum grows", """
+            def tiled_causal(q, k, v, block=64):
+                N, scale = q.shape[-2], 1 / math.sqrt(q.shape[-1])
+                rows = torch.arange(N, device=q.device)
+                m = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+                l = torch.zeros(q.shape[:-1], device=q.device)
+                acc = torch.zeros(q.shape, device=q.device)
+                for start in range(0, N, block):
+                    kb, vb = k[..., start:start + block, :].float(), v[..., start:start + block, :].float()
+                    s = (q.float() @ kb.transpose(-1, -2)) * scale
+                    cols = torch.arange(start, start + kb.shape[-2], device=q.device)
+                    s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+                    m = torch.maximum(m, s.amax(-1))
+                    p = torch.exp(s - m[..., None])
+                    l, acc = l + p.sum(-1), acc + p @ vb
+                return (acc / l[..., None]).to(q.dtype)
+            """),
+        ("08-ex1", "the diagonal masked too: query i attends to keys j < i", """
+            def tiled_causal(q, k, v, block=64):
+                N, scale = q.shape[-2], 1 / math.sqrt(q.shape[-1])
+                rows = torch.arange(N, device=q.device)
+                m = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+                l = torch.zeros(q.shape[:-1], device=q.device)
+                acc = torch.zeros(q.shape, device=q.device)
+                for start in range(0, N, block):
+                    kb, vb = k[..., start:start + block, :].float(), v[..., start:start + block, :].float()
+                    s = (q.float() @ kb.transpose(-1, -2)) * scale
+                    cols = torch.arange(start, start + kb.shape[-2], device=q.device)
+                    s = s.masked_fill(cols[None, :] >= rows[:, None], float("-inf"))
+                    m_new = torch.maximum(m, s.amax(-1))
+                    p = torch.exp(s - m_new[..., None])
+                    alpha = torch.exp(m - m_new)
+                    l, acc, m = l * alpha + p.sum(-1), acc * alpha[..., None] + p @ vb, m_new
+                return (acc / l[..., None]).to(q.dtype)
+            """),
+        ("08-ex2", "D = rowsum(dO), O left out", """
+            def attention_backward(q, k, v, o, lse, do):
+                scale = 1 / math.sqrt(q.shape[-1])
+                p = torch.exp(q @ k.transpose(-1, -2) * scale - lse[..., None])
+                dv = p.transpose(-1, -2) @ do
+                dp = do @ v.transpose(-1, -2)
+                ds = p * (dp - do.sum(-1, keepdim=True))
+                return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, dv
+            """),
+        ("08-ex2", "the scale left out of dq and dk", """
+            def attention_backward(q, k, v, o, lse, do):
+                scale = 1 / math.sqrt(q.shape[-1])
+                p = torch.exp(q @ k.transpose(-1, -2) * scale - lse[..., None])
+                dv = p.transpose(-1, -2) @ do
+                ds = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+                return ds @ k, ds.transpose(-1, -2) @ q, dv
+            """),
+        ("08-ex3", "the splits' outputs averaged, without their log-sum-exp weights", """
+            def combine(o_parts, lse_parts):
+                return o_parts.mean(-2)
+            """),
+        ("08-ex3", "each split weighted by exp(lse) without dividing by their sum", """
+            def combine(o_parts, lse_parts):
+                return (torch.exp(lse_parts)[..., None] * o_parts).sum(-2)
+            """),
+    ],
+    "09": [
+        ("09-ex1", "the bias added by every rank before the all-reduce", """
+            def row_parallel(x, weight, bias, world):
+                return sum(xr @ wr.T + bias for xr, wr in zip(x.chunk(world, dim=-1), weight.chunk(world, dim=1)))
+            """),
+        ("09-ex1", "W split by its rows (column-parallel): each product still sees every input feature", """
+            def row_parallel(x, weight, bias, world):
+                return torch.cat([x @ wr.T for wr in weight.chunk(world, dim=0)], dim=-1) + bias
+            """),
+        ("09-ex2", "Megatron's bubble fraction (p - 1) / m, not the idle share of the step", """
+            def smallest_microbatches(p, target):
+                m = 1
+                while (p - 1) / m >= target:
+                    m += 1
+                return m
+            """),
+        ("09-ex2", "a bubble equal to the target counted as under it", """
+            def smallest_microbatches(p, target):
+                m = 1
+                while (p - 1) / (m + p - 1) > target:
+                    m += 1
+                return m
+            """),
+        ("09-ex2", "a number typed in (the answer for 8 stages and 10%)", """
+            def smallest_microbatches(p, target):
+                return 64
+            """),
+        ("09-ex3", "f without the all-reduce of its gradient", """
+            class Copy(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x):
+                    return x.view_as(x)
+
+                @staticmethod
+                def backward(ctx, grad):
+                    return grad
+
+
+            class Reduce(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x):
+                    return all_reduce(x)
+
+                @staticmethod
+                def backward(ctx, grad):
+                    return grad
+            """),
+        ("09-ex4", "GPipe's order: all forwards, then all backwards", """
+            def one_f_one_b_order(p, m):
+                return [[("F", c) for c in range(m)] + [("B", c) for c in range(m)] for _ in range(p)]
+            """),
+        ("09-ex4", "a warm-up one forward too long (p - s)", """
+            def one_f_one_b_order(p, m):
+                orders = []
+                for s in range(p):
+                    warm = min(p - s, m)
+                    order = [("F", c) for c in range(warm)]
+                    for c in range(m - warm):
+                        order += [("F", warm + c), ("B", c)]
+                    order += [("B", c) for c in range(m - warm, m)]
+                    orders.append(order)
+                return orders
+            """),
+    ],
+    "10": [
+        ("10-ex1", "the sum over the ranks, not the average", """
+            def my_reduce_scatter(grads, rank):
+                world = len(grads)
+                total = torch.stack(grads).sum(0).reshape(-1)
+                size = -(-total.numel() // world)
+                padded = torch.cat([total, total.new_zeros(size * world - total.numel())])
+                return padded[rank * size:(rank + 1) * size]
+            """),
+        ("10-ex1", "torch.chunk's pieces: no padding, the last rank's shorter", """
+            def my_reduce_scatter(grads, rank):
+                return torch.stack(grads).mean(0).reshape(-1).chunk(len(grads))[rank]
+            """),
+        ("10-ex2", "K = 8: Adam's two moments without the fp32 master weights", """
+            def states_per_param(stage, n):
+                weights, grads, adam = 2, 2, 8
+                if stage >= 1:
+                    adam /= n
+                if stage >= 2:
+                    grads /= n
+                if stage >= 3:
+                    weights /= n
+                return weights + grads + adam
+            """),
+        ("10-ex2", "ZeRO-2 sharding the weights too", """
+            def states_per_param(stage, n):
+                weights, grads, adam = 2, 2, 12
+                if stage >= 1:
+                    adam /= n
+                if stage >= 2:
+                    grads /= n
+                    weights /= n
+                return weights + grads + adam
+            """),
+        ("10-ex3", "a note that keeps a full copy of the weight: nothing saved", """
+            def pack(t):
+                if t.untyped_storage().data_ptr() in gathered:
+                    return (t.clone(), tuple(t.shape), t.stride(), t.storage_offset())
+                return t
+
+            def unpack(saved):
+                if isinstance(saved, torch.Tensor):
+                    return saved
+                _, size, stride, offset = saved
+                return gather().as_strided(size, stride, offset)
+            """),
+        ("10-ex3", "pack keeps every tensor as it is", """
+            def pack(t):
+                return t
+
+            def unpack(saved):
+                return saved
+            """),
+    ],
+    "11": [
+        ("11-ex1", "every input but the incoming gradient: the weights and the layer's input counted too", """
+            def kept_intermediates(graph):
+                count = nbytes = 0
+                for node in graph.nodes:
+                    value = node.meta.get("val")
+                    if node.op == "placeholder" and isinstance(value, torch.Tensor) and not node.name.startswith("tangents"):
+                        count += 1
+                        nbytes += value.numel() * value.element_size()
+                return count, nbytes
+            """),
+        ("11-ex1", "four bytes per element, whatever the dtype", """
+            def kept_intermediates(graph):
+                count = nbytes = 0
+                for node in graph.nodes:
+                    value = node.meta.get("val")
+                    if node.op == "placeholder" and isinstance(value, torch.Tensor) and not node.name.startswith(("primals", "tangents")):
+                        count += 1
+                        nbytes += value.numel() * 4
+                return count, nbytes
+            """),
+        ("11-ex1", "the tensors the backward computes, not the ones it receives", """
+            def kept_intermediates(graph):
+                made = [n.meta["val"] for n in graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)]
+                return len(made), sum(t.numel() * t.element_size() for t in made)
+            """),
+        ("11-ex1", "the count of the real graph and the bytes lk.track printed, typed in", """
+            def kept_intermediates(graph):
+                return 14, mincut["kept"]
+            """),
+        ("11-ex2", "silu(gate) kept on ctx beside the two saved tensors: nothing saved", """
+            class SiluMul(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, gate, up):
+                    ctx.save_for_backward(gate, up)
+                    ctx.silu = torch.nn.functional.silu(gate)
+                    return ctx.silu * up
+
+                @staticmethod
+                def backward(ctx, grad_out):
+                    gate, up = ctx.saved_tensors
+                    s = torch.sigmoid(gate)
+                    return grad_out * up * s * (1 + gate * (1 - s)), grad_out * ctx.silu
+            """),
+        ("11-ex2", "all three saved, as eager autograd does", """
+            class SiluMul(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, gate, up):
+                    silu = torch.nn.functional.silu(gate)
+                    ctx.save_for_backward(gate, up, silu)
+                    return silu * up
+
+                @staticmethod
+                def backward(ctx, grad_out):
+                    gate, up, silu = ctx.saved_tensors
+                    s = torch.sigmoid(gate)
+                    return grad_out * up * s * (1 + gate * (1 - s)), grad_out * silu
+            """),
+        ("11-ex2", "SiLU's derivative taken as sigmoid(gate) alone", """
+            class SiluMul(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, gate, up):
+                    ctx.save_for_backward(gate, up)
+                    return torch.nn.functional.silu(gate) * up
+
+                @staticmethod
+                def backward(ctx, grad_out):
+                    gate, up = ctx.saved_tensors
+                    s = torch.sigmoid(gate)
+                    return grad_out * up * s, grad_out * gate * s
+            """),
+    ],
+    "12": [
+        ("12-ex1", "row-major order: group_m ignored", """
+            def my_program_of(pid_m, pid_n, num_pid_m, num_pid_n, group_m):
+                return pid_m * num_pid_n + pid_n
+            """),
+        ("12-ex1", "every group taken as group_m rows, the last one too", """
+            def my_program_of(pid_m, pid_n, num_pid_m, num_pid_n, group_m):
+                first_m = (pid_m // group_m) * group_m
+                return first_m * num_pid_n + pid_n * group_m + (pid_m - first_m)
+            """),
+        ("12-ex1", "column-major order", """
+            def my_program_of(pid_m, pid_n, num_pid_m, num_pid_n, group_m):
+                return pid_n * num_pid_m + pid_m
+            """),
+        ("12-ex2", "all the logits at once", """
+            def chunked_ce_forward(hidden, weight, targets, chunk):
+                return F.cross_entropy(hidden @ weight.T, targets, reduction="none")
+            """),
+        ("12-ex2", "chunks of logits kept in a list, then joined: the full logits again", """
+            def chunked_ce_forward(hidden, weight, targets, chunk):
+                pieces = [hidden[s:s + chunk] @ weight.T for s in range(0, hidden.shape[0], chunk)]
+                logits = torch.cat(pieces)
+                return torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None])[:, 0]
+            """),
+        ("12-ex2", "all the logits in NumPy, where lk.track does not look", """
+            def chunked_ce_forward(hidden, weight, targets, chunk):
+                logits = hidden.cpu().numpy() @ weight.cpu().numpy().T
+                top = logits.max(axis=1, keepdims=True)
+                lse = np.log(np.exp(logits - top).sum(axis=1)) + top[:, 0]
+                return torch.from_numpy(lse - logits[np.arange(len(logits)), targets.cpu().numpy()]).to(hidden.device)
+            """),
+        ("12-ex2", "each row's log-sum-exp, the target's logit forgotten", """
+            def chunked_ce_forward(hidden, weight, targets, chunk):
+                return torch.cat([torch.logsumexp(hidden[s:s + chunk] @ weight.T, dim=-1)
+                                  for s in range(0, hidden.shape[0], chunk)])
+            """),
+    ],
+    "13": [
+        ("13-ex1", "10 bytes per parameter: the block scales left out", """
+            def states_8bit_adam(params):
+                return 10 * params
+            """),
+        ("13-ex1", "the paper's blocks of 2048 values, not bitsandbytes' 256", """
+            def states_8bit_adam(params):
+                return int(params * (2 + 2 + 4 + 2 + 2 * 4 / 2048))
+            """),
+        ("13-ex1", "one scale per block for the two moments together", """
+            def states_8bit_adam(params):
+                return int(params * (2 + 2 + 4 + 2 + 4 / 256))
+            """),
+        ("13-ex1", "the scale's 32 bits counted as bytes", """
+            def states_8bit_adam(params):
+                return int(params * (2 + 2 + 4 + 2 + 2 * 32 / 256))
+            """),
+        ("13-ex1", "no fp32 master weights", """
+            def states_8bit_adam(params):
+                return int(params * (2 + 2 + 2 + 2 * 4 / 256))
+            """),
+        ("13-ex1", "AdamW's 16 bytes: the 8-bit lever not applied", """
+            def states_8bit_adam(params):
+                return 16 * params
+            """),
+        ("13-ex1", "the 7B model's answer typed in", """
+            def states_8bit_adam(params):
+                return 67_594_731_648
+            """),
+        ("13-ex2", "the spec sheet's bidirectional PCIe figure for one direction", """
+            def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
+                return (2 * params * accum + 2 * params) / pcie_bps + 2 * 16 * params / cpu_bps
+            """),
+        ("13-ex2", "the CPU's Adam update left out", """
+            def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
+                return (2 * params * accum + 2 * params) / (pcie_bps / 2)
+            """),
+        ("13-ex2", "the gradients sent once per step, not once per micro-batch", """
+            def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
+                return (2 * params + 2 * params) / (pcie_bps / 2) + 2 * 16 * params / cpu_bps
+            """),
+        ("13-ex2", "fp32 gradients and weights over PCIe", """
+            def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
+                return (4 * params * accum + 4 * params) / (pcie_bps / 2) + 2 * 16 * params / cpu_bps
+            """),
+    ],
 }
 
 

@@ -26,15 +26,23 @@ and writes its output as a file; `compare()` checks them against eager's. ONNX R
 that the caller exported (`export_onnx`): its process imports onnxruntime and NumPy, never PyTorch,
 as a server would.
 
+On a GPU (PyTorch engines and TensorRT) the process also reads the device's free memory
+(`torch.cuda.mem_get_info`) once its CUDA context exists and again after the calls: the difference,
+`gpu_extra_bytes`, is what serving added on the device (weights, the engine, workspaces, library
+handles, PyTorch's cached blocks), read device-wide, so it is exact only while nothing else runs there.
+
 Models (MODELS) are transformers' ResNet (`ResNetForImageClassification`, random weights): its default
 `ResNetConfig()` is ResNet-50 (bottleneck blocks, depths 3-4-6-3); "resnet-tiny" keeps the
 architecture with one block per stage and narrow channels, so that exporting and compiling fit a
-CPU's minute. (torchvision's resnet50 would be the usual source, but the PyPI torchvision wheel
-does not import beside the CPU-only torch that this workbook installs.)
+CPU's minute. Its batch norms get random statistics, as training leaves them (a fresh one is the
+identity, and folding an identity into a convolution would show nothing). (torchvision's resnet50
+would be the usual source, but the PyPI torchvision wheel does not import beside the CPU-only torch
+that this workbook installs.)
 
-Two helpers of notebook 11 live here too, so that its cells stay short: `no_codegen_backend` (AOT
-autograd's partitioner without code generation, keeping the backward graphs to read) and
-`cuda_graph_decode` (a decode step recorded as a CUDA graph, timed against eager, with its pool).
+Helpers of notebook 11 live here too, so that its cells stay short: `setup_cpu_compile` (Inductor in
+this process on a CPU), `no_codegen_backend` (AOT autograd's partitioner without code generation,
+keeping the backward graphs to read) and `cuda_graph_decode` (a decode step recorded as a CUDA graph,
+timed against the same compiled kernels launched one by one, with its pool).
 """
 from __future__ import annotations
 
@@ -52,7 +60,8 @@ import time
 from .device import has
 
 __all__ = ["ENGINES", "MODELS", "EngineResult", "available", "build", "example_input", "export_onnx", "run",
-           "compare", "workdir", "TENSORRT_INSTALL", "no_codegen_backend", "median_time_s", "cuda_graph_decode"]
+           "compare", "workdir", "TENSORRT_INSTALL", "setup_cpu_compile", "no_codegen_backend", "median_time_s",
+           "cuda_graph_decode"]
 
 ENGINES = ("eager", "inductor", "aoti", "onnxruntime", "tensorrt")
 MODELS = {                      # ResNetConfig's defaults are ResNet-50's layers; ImageNet has 1000 classes
@@ -76,7 +85,11 @@ class EngineResult:
     extra_peak_bytes: int | None = None   # peak RSS during the calls, above loaded
     kept_bytes: int | None = None     # RSS after the calls, above loaded (what an arena keeps)
     kept_file_bytes: int | None = None    # of kept: pages of files (libraries' code) the calls read in, not data
+    cpu_s: float | None = None        # median CPU time of the process per call: the engine's own work, which
+    cpu_times: list | None = None     # other processes on a shared machine do not lengthen (one thread each)
     minor_faults: int | None = None   # page faults during the timed calls (pages the process touched anew)
+    faults: list | None = None        # the same, call by call
+    gpu_extra_bytes: int | None = None    # device memory the process added above its bare CUDA context (GPU only)
     malloc_trimmed: bool | None = None    # whether malloc gave back its free pages before each RSS reading
     malloc_mmap_threshold: int | None = None   # MALLOC_MMAP_THRESHOLD_ of the process (None: glibc's default)
     artifact: str | None = None       # the exported file (.onnx, .pt2, TensorRT program), if any
@@ -108,7 +121,8 @@ def available(engine, device="cpu"):
 
 
 def build(model="resnet-tiny", seed=0):
-    """The model (random weights from `seed`), in eval mode, as a module from pixels to logits."""
+    """The model (random weights from `seed`), in eval mode, as a module from pixels to logits. Each batch
+    norm gets random running statistics and affine weights, as a trained network has them."""
     if model not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
     import torch
@@ -123,7 +137,15 @@ def build(model="resnet-tiny", seed=0):
             return self.net(pixel_values=pixel_values).logits
 
     torch.manual_seed(seed)
-    return Logits(ResNetForImageClassification(ResNetConfig(**MODELS[model]))).eval()
+    net = ResNetForImageClassification(ResNetConfig(**MODELS[model]))
+    with torch.no_grad():
+        for norm in net.modules():
+            if isinstance(norm, torch.nn.BatchNorm2d):         # (C,) each: mean ~0, var in [0.5, 1.5)
+                norm.running_mean.normal_(0.0, 0.1)
+                norm.running_var.uniform_(0.5, 1.5)
+                norm.weight.normal_(1.0, 0.1)
+                norm.bias.normal_(0.0, 0.1)
+    return Logits(net).eval()
 
 
 def example_input(batch=1, image=64, seed=1):
@@ -316,6 +338,27 @@ def compare(engines, rtol=1e-3, atol=1e-4, progress=False, **kwargs):
 
 
 # ---- helpers of notebook 11 ------------------------------------------------------------------------------
+def setup_cpu_compile():
+    """Set Inductor up to compile on a CPU in this process: one compile thread (no pool of compile workers to
+    start), and its C++ builder, `torch.utils.cpp_extension`, imported now with its one-time notice
+    silenced: a CUDA build of torch on a machine without a usable GPU logs "No CUDA runtime is found, using
+    CUDA_HOME=..." when it finds a CUDA toolkit (nvcc on PATH, /usr/local/cuda), which code for a CPU does
+    not need."""
+    import logging
+
+    import torch
+    import torch._inductor.config
+    torch._inductor.config.compile_threads = 1
+    if "torch.utils.cpp_extension" not in sys.modules and not torch.cuda.is_available():
+        log = logging.getLogger("torch.utils.cpp_extension")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            import torch.utils.cpp_extension  # noqa: F401  (what Inductor's C++ builder imports)
+        finally:
+            log.setLevel(level)
+
+
 def no_codegen_backend(graphs, partition=None):
     """A `torch.compile` backend: AOT autograd's joint graph split by `partition` (default: the min-cut
     partitioner that Inductor uses), then every op of the forward and backward graphs run as the plain
@@ -352,29 +395,38 @@ def median_time_s(fn, repeat=20):
 
 
 def cuda_graph_decode(model, repeat=20):
-    """One decode step of `model` (a causal LM on CUDA: one token in, logits out, no KV cache) recorded as a
-    CUDA graph by `torch.compile(model, mode="reduce-overhead")`, which sets Inductor's `triton.cudagraphs`.
+    """One decode step of `model` (a causal LM on CUDA: one token in, logits out, no KV cache) three ways:
+    eagerly, compiled by Inductor (`torch.compile(model)`: fused kernels, each launched from Python), and
+    compiled with `mode="reduce-overhead"` (Inductor's `triton.cudagraphs`: the same kernels recorded once
+    as a CUDA graph and replayed with one launch).
 
-    Returns {"eager_s", "graph_s", "private_pool_bytes"}: the median step time eagerly (one launch per
-    kernel) and replayed (one launch for the graph), and the bytes of the allocator segments that the
-    recording owns: a private memory pool, any pool other than the default `(0, 0)`.
+    Returns {"eager_s", "compiled_s", "graph_s", "private_pool_bytes"}: median step times, and the bytes of
+    the allocator segments that the recording owns: a private memory pool, any pool other than the default
+    `(0, 0)`. compiled_s against graph_s is the launch overhead alone (same kernels); eager_s against
+    compiled_s is fusion and launches together.
     """
     import torch
     token = torch.zeros(1, 1, dtype=torch.long, device="cuda")      # a decode-sized step: one token
+    compiled = torch.compile(model)
     graphed = torch.compile(model, mode="reduce-overhead")
 
     def eager_step():
         with torch.no_grad():
             return model(input_ids=token, use_cache=False).logits
 
+    def compiled_step():
+        with torch.no_grad():
+            return compiled(input_ids=token, use_cache=False).logits
+
     def graph_step():
         torch.compiler.cudagraph_mark_step_begin()     # a new step: the previous replay's outputs may be reused
         with torch.no_grad():
             return graphed(input_ids=token, use_cache=False).logits
 
-    for _ in range(3):                                 # warm-up runs, then the recording
+    for _ in range(3):                                 # warm-up runs (compiles), then the recording
+        compiled_step()
         graph_step()
     segments = torch.cuda.memory._snapshot()["segments"]
     private = sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) != (0, 0))
-    return {"eager_s": median_time_s(eager_step, repeat), "graph_s": median_time_s(graph_step, repeat),
-            "private_pool_bytes": private}
+    return {"eager_s": median_time_s(eager_step, repeat), "compiled_s": median_time_s(compiled_step, repeat),
+            "graph_s": median_time_s(graph_step, repeat), "private_pool_bytes": private}

@@ -27,6 +27,7 @@ it multiplies fp32 exactly whatever `input_precision` says.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -35,9 +36,9 @@ import torch
 from .device import has
 
 __all__ = ["grouped_pid", "blocks_loaded", "tiled_matmul", "panels_read", "round_to_tf32", "matmul",
-           "matmul_kernel", "cross_entropy_reference", "chunked_lse_and_target", "online_lse_and_target",
-           "triton_lse_and_target", "cross_entropy_kernel", "LinearCrossEntropy", "linear_cross_entropy",
-           "interpreted", "PRECISIONS", "FORWARDS"]
+           "matmul_kernel", "check_matmul_args", "cublas_precision", "cross_entropy_reference", "check_ce_args",
+           "chunked_lse_and_target", "online_lse_and_target", "triton_lse_and_target", "cross_entropy_kernel",
+           "LinearCrossEntropy", "linear_cross_entropy", "interpreted", "PRECISIONS", "FORWARDS"]
 
 PRECISIONS = ("ieee", "tf32")      # how tl.dot multiplies fp32 inputs on a GPU; Triton's default is "tf32"
 FORWARDS = ("chunked", "online", "triton")
@@ -96,7 +97,8 @@ def round_to_tf32(x):
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)   # drop the low 13 of 23 mantissa bits, rounded
 
 
-def _check_matmul(a, b, block_m, block_n, block_k, group_m, precision):
+def check_matmul_args(a, b, block_m, block_n, block_k, group_m, precision):
+    """ValueError naming the argument, before any work, unless a @ b can run with these tiles."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"a and b must be 2-D tensors, got {getattr(a, 'shape', a)!r} and {getattr(b, 'shape', b)!r}")
     if a.shape[1] != b.shape[0]:
@@ -111,13 +113,32 @@ def _check_matmul(a, b, block_m, block_n, block_k, group_m, precision):
     _positive_int("group_m", group_m)
 
 
+@contextlib.contextmanager
+def cublas_precision(precision):
+    """Inside the block, fp32 matmuls on a GPU (cuBLAS, what `a @ b` calls) multiply in `precision`: "ieee"
+    (true fp32, torch's default) or "tf32" (TF32 on tensor cores); the setting before is restored after.
+
+    One API throughout, `torch.set_float32_matmul_precision` ("highest" or "high"): it keeps the legacy flag
+    `torch.backends.cuda.matmul.allow_tf32` (which cuBLASLt's paths, linear with bias and batched matmul,
+    read) and the newer `torch.backends.cuda.matmul.fp32_precision` in agreement. Setting only the newer one
+    leaves them mixed, and reading the legacy one then raises ("mix of the legacy and new APIs")."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision({"ieee": "highest", "tf32": "high"}[precision])
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 # ---- the blocked matmul: the PyTorch twin ----------------------------------------------------------
 def tiled_matmul(a, b, block_m=32, block_n=32, block_k=32, group_m=4, precision="ieee", reads=None):
     """a @ b computed as `matmul_kernel` computes it: one program per BLOCK_M x BLOCK_N tile of C, run in
     grouped order (`grouped_pid`), each walking K in BLOCK_K steps with an fp32 accumulator; output in
     a's dtype. precision="tf32" rounds fp32 tiles to TF32 first, as tl.dot does on a GPU by default.
     reads: a list to which each program appends (pid, rows of A it read, columns of B it read)."""
-    _check_matmul(a, b, block_m, block_n, block_k, group_m, precision)
+    check_matmul_args(a, b, block_m, block_n, block_k, group_m, precision)
     if reads is not None and not isinstance(reads, list):
         raise TypeError(f"reads must be a list to append to, or None, got {type(reads).__name__}")
     (M, K), N = a.shape, b.shape[1]
@@ -220,7 +241,7 @@ def matmul(a, b, block_m=32, block_n=32, block_k=32, group_m=4, precision="ieee"
     precision: how tl.dot multiplies fp32 inputs on a GPU: "ieee" (true fp32) or "tf32" (Triton's own
     default: 10-bit mantissa on tensor cores). Ignored for 16-bit inputs and under the interpreter.
     num_warps, num_stages: the compiled kernel's launch options (the interpreter ignores them)."""
-    _check_matmul(a, b, block_m, block_n, block_k, group_m, precision)
+    check_matmul_args(a, b, block_m, block_n, block_k, group_m, precision)
     triton, kernels = _jitted()
     upcast = interpreted() and a.dtype != torch.float32
     M, K = a.shape
@@ -235,7 +256,11 @@ def matmul(a, b, block_m=32, block_n=32, block_k=32, group_m=4, precision="ieee"
 
 
 # ---- cross-entropy over a large vocabulary, without the logits -------------------------------------
-def _check_ce(hidden, weight, targets):
+def check_ce_args(hidden, weight, targets, **positive):
+    """ValueError naming the argument, before any work, unless hidden (N, D), weight (V, D) and int64 targets
+    (N,) fit together and every keyword in `positive` (chunk=..., block_v=...) is a positive int."""
+    for name, value in positive.items():
+        _positive_int(name, value)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
         raise ValueError(f"hidden must be a 2-D (tokens, hidden) tensor, got {getattr(hidden, 'shape', hidden)!r}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
@@ -253,8 +278,7 @@ def cross_entropy_reference(hidden, weight, targets, ignore_index=-100, reductio
 
 def chunked_lse_and_target(hidden, weight, targets, chunk=256):
     """Each row's log-sum-exp of hidden @ weight.T and its target's logit, `chunk` rows of logits at a time."""
-    _check_ce(hidden, weight, targets)
-    _positive_int("chunk", chunk)
+    check_ce_args(hidden, weight, targets, chunk=chunk)
     lse = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
     tgt = torch.empty_like(lse)
     safe = targets.clamp(min=0)                             # ignored rows (-100) read column 0, then drop out
@@ -270,9 +294,7 @@ def online_lse_and_target(hidden, weight, targets, block_m=16, block_v=64):
     """What `cross_entropy_kernel` computes, in PyTorch: per block of `block_m` rows, the vocabulary
     streams through in tiles of `block_v` with a running max and sum (the online softmax), so at most one
     (block_m, block_v) tile of logits exists. fp32 accumulation, as tl.dot's."""
-    _check_ce(hidden, weight, targets)
-    _positive_int("block_m", block_m)
-    _positive_int("block_v", block_v)
+    check_ce_args(hidden, weight, targets, block_m=block_m, block_v=block_v)
     lse = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
     tgt = torch.empty_like(lse)
     V = weight.shape[0]
@@ -324,7 +346,7 @@ def cross_entropy_kernel(H, W, T, LSE, TGT, N, V, D, stride_h, stride_w,
 
 def triton_lse_and_target(hidden, weight, targets, block_m=16, block_v=64, block_d=32):
     """`online_lse_and_target` by the Triton kernel `cross_entropy_kernel` (needs triton)."""
-    _check_ce(hidden, weight, targets)
+    check_ce_args(hidden, weight, targets)
     for name, v in (("block_m", block_m), ("block_v", block_v), ("block_d", block_d)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {v!r}")
@@ -387,7 +409,7 @@ def linear_cross_entropy(hidden, weight, targets, chunk=256, ignore_index=-100, 
     "chunked" (chunk x V logits at a time), "online" (chunk x block_v: the fused kernel's algorithm in
     PyTorch) or "triton" (the fused kernel, 16 x block_v tiles in registers; needs triton). Backward is
     the same for all three: the logits recomputed `chunk` rows at a time."""
-    _check_ce(hidden, weight, targets)
+    check_ce_args(hidden, weight, targets)
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ValueError(f"chunk must be a positive int (rows of logits at a time), got {chunk!r}")
     if forward not in FORWARDS:

@@ -17,8 +17,9 @@ peak of a training step the two agree (notebook 12 and tests/test_profiling.py c
 Its categories map to `lk.track`'s: PARAMETER, GRADIENT, OPTIMIZER_STATE, ACTIVATION map one to one;
 INPUT, TEMPORARY, AUTOGRAD_DETAIL and uncategorised memory count as "other".
 
-The profiler's own notes on file descriptor 2 (kineto's "STAGE:"/"USDT:" lines) are dropped while it
-runs, so a notebook cell stays free of stderr.
+The profiler's own notes on file descriptor 2 (kineto's "STAGE:"/"USDT:" lines, and on a CUDA build of torch
+without a GPU its one-time "gpuGetDeviceCount failed") are dropped while it runs (`without_profiler_notes`),
+so a notebook cell stays free of stderr. CUDA activities are asked for only where a GPU is available.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ import pathlib
 import numpy as np
 import torch
 
-from .memory import CATEGORIES, _without_profiler_notes
+from .memory import CATEGORIES
+from .memory.profiler import without_profiler_notes
 
 __all__ = ["run", "Profile", "PROFILER_CATEGORIES", "SYNC_OPS"]
 
@@ -57,7 +59,7 @@ def run(fn, *, steps=1, trace=None, memory=True, shapes=True, stack=True):
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=activities, profile_memory=memory, record_shapes=shapes, with_stack=stack)
-    with _without_profiler_notes():
+    with without_profiler_notes():
         with prof:
             for _ in range(steps):
                 fn()

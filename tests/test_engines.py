@@ -8,6 +8,39 @@ from labkit import engines
 from labkit.scripts import engine_run
 
 
+def test_batch_norms_carry_statistics_as_a_trained_network_does():
+    """A fresh batch norm in eval mode is the identity (mean 0, var 1, gamma 1, beta 0): folding it into the
+    convolution before it would change nothing that a check could see."""
+    norms = [m for m in engines.build("resnet-tiny").modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(norms) == 17
+    for norm in norms:
+        assert norm.running_mean.abs().max() > 0 and (norm.running_var - 1).abs().max() > 0.05
+        assert (norm.weight - 1).abs().max() > 0 and norm.bias.abs().max() > 0
+    again = [m for m in engines.build("resnet-tiny").modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert torch.equal(again[3].running_var, norms[3].running_var)       # the same seed, the same model
+
+
+def test_setup_cpu_compile_silences_the_cuda_home_notice():
+    """A CUDA build of torch without a usable GPU logs "No CUDA runtime is found, using CUDA_HOME=..." when
+    Inductor's C++ builder imports torch.utils.cpp_extension and a CUDA toolkit is found. Stood in for here:
+    a child process whose torch says it was built with CUDA, with CUDA_HOME set (the first thing it looks at)."""
+    import os
+    import subprocess
+    import sys
+    first = "import sys, torch, torch._inductor.config\nfrom labkit import engines\n"     # before the stand-in
+    fake = ("torch.cuda._is_compiled = lambda: True; torch.cuda.is_available = lambda: False\n"
+            "torch.version.cuda = '13.0'\nassert 'torch.utils.cpp_extension' not in sys.modules\n")
+    env = dict(os.environ, CUDA_HOME=os.getcwd())
+    plain = subprocess.run([sys.executable, "-c", first + fake + "import torch.utils.cpp_extension"],
+                           env=env, capture_output=True, text=True)
+    assert "No CUDA runtime is found" in plain.stderr, plain.stderr      # the stand-in shows the notice...
+    quiet = subprocess.run([sys.executable, "-c", first + fake + "engines.setup_cpu_compile()\n"
+                            "assert 'torch.utils.cpp_extension' in sys.modules\n"
+                            "assert torch._inductor.config.compile_threads == 1"],
+                           env=env, capture_output=True, text=True)
+    assert quiet.returncode == 0 and "No CUDA runtime" not in quiet.stderr, quiet.stderr   # ...which this silences
+
+
 def test_resnet_50_is_resnet_50():
     # transformers' default ResNetConfig is ResNet-50: bottleneck blocks 3-4-6-3, torchvision's 25,557,032 parameters
     from transformers import ResNetConfig, ResNetForImageClassification
@@ -53,9 +86,14 @@ def test_onnxruntime_and_eager_agree_and_tensorrt_is_skipped(tmp_path):
     weights = sum(t.numel() * t.element_size() for t in engines.build("resnet-tiny").state_dict().values())
     stored = sum(numpy_helper.to_array(t).nbytes for t in onnx.load(ort.artifact).graph.initializer)
     assert 0.9 < stored / weights <= 1 and stored < ort.artifact_bytes     # the weights, batch norms folded in
+    graph = onnx.load(ort.artifact).graph
+    assert not [n for n in graph.node if n.op_type == "BatchNormalization"]
+    assert all(len(n.input) == 3 for n in graph.node if n.op_type == "Conv")   # each gained the batch norm's shift
     assert len(list(tmp_path.glob("*.onnx"))) == 1                  # arena on and off share one export
     for r in (eager, ort, results["onnxruntime arena=False"]):
         assert r.latency_s > 0 and len(r.times) == 2 and r.loaded_bytes > 0
+        assert len(r.cpu_times) == len(r.faults) == 2 and r.cpu_s > 0 and sum(r.faults) == r.minor_faults
+        assert r.gpu_extra_bytes is None                               # on the CPU
         assert 0 <= r.kept_bytes <= r.extra_peak_bytes + 2**20     # RSS moves in pages between reads
     no_arena = results["onnxruntime arena=False"]
     assert ort.arena and not no_arena.arena
@@ -150,4 +188,4 @@ def test_no_codegen_backend_hands_over_the_backward_graph():
 def test_cuda_graph_decode_keeps_a_private_pool():
     model = lk.models.build("llama-2-7b", "tiny", dtype=torch.float32, device="cuda", num_hidden_layers=2).eval()
     r = engines.cuda_graph_decode(model, repeat=5)
-    assert r["private_pool_bytes"] > 0 and r["eager_s"] > 0 and r["graph_s"] > 0
+    assert r["private_pool_bytes"] > 0 and r["eager_s"] > 0 and r["graph_s"] > 0 and r["compiled_s"] > 0

@@ -290,3 +290,37 @@ def test_importing_kernels_imports_no_triton():
 @needs_triton
 def test_interpreted_exactly_when_there_is_no_gpu():
     assert kernels.interpreted() is (not torch.cuda.is_available())
+
+
+def test_cublas_precision_switches_tf32_through_one_api_and_restores():
+    """Defect 3 of issue 36: TF32 set through torch.backends.cuda.matmul.fp32_precision alone leaves the legacy
+    flag that cuBLASLt's paths read in a mixed state, and reading it then raises. cublas_precision sets both
+    through torch.set_float32_matmul_precision; on a CPU the flags still move, so the switch is checked here."""
+    before = torch.get_float32_matmul_precision()
+    with kernels.cublas_precision("tf32"):
+        assert torch.backends.cuda.matmul.allow_tf32 is True                    # the legacy flag, readable
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"              # the new one agrees
+    assert torch.get_float32_matmul_precision() == before
+    with kernels.cublas_precision("ieee"):
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    with pytest.raises(RuntimeError), kernels.cublas_precision("tf32"):
+        raise RuntimeError("a failing matmul")
+    assert torch.get_float32_matmul_precision() == before                       # restored on an error too
+    assert torch.backends.cuda.matmul.allow_tf32 is (before != "highest")
+    with pytest.raises(ValueError, match="precision must be one of .*got 'fp32'"):
+        with kernels.cublas_precision("fp32"):
+            pass
+
+
+def test_the_code_notebook_12_shows_calls_only_public_names():
+    """What a notebook shows with lk.show is what it teaches: no private labkit helper inside it."""
+    import inspect
+    import re
+    from labkit import profiling
+    shown = [profiling.run, kernels.matmul_kernel, kernels.tiled_matmul, kernels.LinearCrossEntropy,
+             kernels.cross_entropy_kernel, kernels.online_lse_and_target]
+    for obj in shown:
+        source = inspect.getsource(obj)
+        private = re.findall(r"(?<![\w.])_[a-z]\w*\(", source)
+        assert not private, (obj.__name__, private)

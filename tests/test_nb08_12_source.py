@@ -38,3 +38,16 @@ def test_the_launch_parameter_sweep_runs_only_under_a_cuda_guard():
     cell = next(s for s in code("12_profiling_and_kernels") if "num_stages=stages" in s)
     guard = cell.index('lk.requires("cuda", "triton"')
     assert guard < cell.index("num_stages=stages") and cell.index("assert launch[best]") > guard
+
+
+def test_the_parameters_cell_of_12_needs_no_ipython():
+    """gpu-smoke runs 12's parameters cell on an image without IPython (issue 36, defect 4)."""
+    cells = json.loads((ROOT / "notebooks" / "12_profiling_and_kernels.ipynb").read_text())["cells"]
+    parameters = next(c for c in cells if "parameters" in c["metadata"].get("tags", []))
+    assert "IPython" not in "".join(parameters["source"])
+
+
+@pytest.mark.parametrize("name", ["11_compile_and_engines", "12_profiling_and_kernels"])
+def test_tf32_is_switched_through_one_api(name):
+    """Setting torch.backends.cuda.matmul.fp32_precision alone mixes the legacy and new APIs (issue 36, defect 3)."""
+    assert not [s for s in code(name) if "fp32_precision =" in s or "allow_tf32 =" in s]

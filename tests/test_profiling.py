@@ -156,3 +156,25 @@ def test_timeline_on_a_gpu_keeps_events_on_cuda_0():
     assert profiling._timeline_device({torch.device("cuda:0"), torch.device("cpu")}, "cuda") == torch.device("cuda:0")
     assert profiling._timeline_device({torch.device("cuda:0"), torch.device("cuda:1")}, "cuda:1") == torch.device("cuda:1")
     assert profiling._timeline_device({torch.device("cpu")}, "cpu") == torch.device("cpu")
+
+
+def test_kineto_asking_for_gpus_without_one_is_not_shown():
+    """A CUDA build of torch without a GPU: the first trace of a process makes kineto log "gpuGetDeviceCount
+    failed with code 35" to descriptor 2, even for CPU activities. Written there by hand (a CPU build of torch
+    never logs it); any other line on descriptor 2 still reaches stderr."""
+    import io
+    import os
+    import sys
+    from labkit.memory.profiler import without_profiler_notes
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the note is not kineto's way of saying there is none")
+    caught = io.StringIO()
+    real, sys.stderr = sys.stderr, caught
+    try:
+        with without_profiler_notes():
+            os.write(2, b"ERROR:2026-12-02 06:35:56 12818:12818 DeviceProperties.cpp:50] "
+                        b"gpuGetDeviceCount failed with code 35\n")
+            os.write(2, b"something else\n")
+    finally:
+        sys.stderr = real
+    assert caught.getvalue() == "something else\n"

@@ -144,11 +144,18 @@ def drop_record_function_note(record):
     return "Profiler record function" not in record.getMessage()
 
 
+# A CUDA build of torch (kineto built with CUPTI) asks for the GPUs' properties once per process when it
+# writes its first trace (DeviceProperties.cpp), even for CPU activities only; without a GPU or driver it
+# logs "gpuGetDeviceCount failed with code 35" (cudaErrorInsufficientDriver) or 100 (no device).
+KINETO_NO_GPU = re.compile(r"^ERROR:.*\] gpuGetDeviceCount failed with code \d+")
+
+
 @contextlib.contextmanager
 def without_profiler_notes():
     """Drop the profiler's own notes to file descriptor 2: kineto's "STAGE:"/"USDT:" lines at every start
     and stop, and c10's one-time "Memory block of unknown size was allocated before the profiling
-    started" when a block born before is freed. Anything else written to descriptor 2 meanwhile
+    started" when a block born before is freed, and on a CUDA build of torch without a GPU kineto's
+    one-time "gpuGetDeviceCount failed" (KINETO_NO_GPU). Anything else written to descriptor 2 meanwhile
     (C++ code only: Python's sys.stderr is untouched) is passed on to sys.stderr when the block ends."""
     sys.stderr.flush()
     saved = os.dup(2)
@@ -162,5 +169,6 @@ def without_profiler_notes():
             tmp.seek(0)
             for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
                 if not (re.match(r"(STAGE|USDT):\d{4}-\d\d-\d\d ", line)
-                        or "Memory block of unknown size was allocated before the profiling started" in line):
+                        or "Memory block of unknown size was allocated before the profiling started" in line
+                        or KINETO_NO_GPU.search(line) and not torch.cuda.is_available()):
                     sys.stderr.write(line)

@@ -3,8 +3,10 @@
 Reads <workdir>/input-<model>-b<batch>-i<image>.npy; writes <workdir>/<tag>.json (the fields of
 `labkit.engines.EngineResult`) and <tag>.npy (the output, fp32). Before each reading of its resident
 memory it asks glibc to give back the free pages malloc keeps (`give_back_free_pages`); it counts the
-minor page faults of the timed calls (`resource.getrusage`: pages touched for the first time). ONNX Runtime runs the .onnx file that
-`labkit.engines.run` exported beside the input: that process imports onnxruntime and NumPy only.
+minor page faults of the timed calls (`resource.getrusage`: pages touched for the first time). On a GPU it
+reads the device's free memory once its CUDA context exists and again after the calls (`gpu_extra_bytes`).
+ONNX Runtime runs the .onnx file that `labkit.engines.run` exported beside the input: that process imports
+onnxruntime and NumPy only.
 """
 import argparse
 import contextlib
@@ -58,6 +60,15 @@ def reset_peak():
         f.write("5")
 
 
+def gpu_free(on_gpu):
+    """Free bytes on the whole GPU now (`torch.cuda.mem_get_info`; the first call creates this process's CUDA
+    context), or None when the engine does not run on a GPU."""
+    if not on_gpu:
+        return None
+    import torch
+    return torch.cuda.mem_get_info()[0]
+
+
 def prepare(engine, pixels, args, workdir):
     """The engine's callable, its input, and the file it runs from (None for eager and inductor)."""
     shape = f"{args.model}-b{args.batch}-i{args.image}"
@@ -90,8 +101,9 @@ def prepare(engine, pixels, args, workdir):
         torch._inductor.aoti_compile_and_package(program, package_path=str(path))
         return torch._inductor.aoti_load_package(str(path)), x, path
     if engine == "tensorrt":
-        # Torch-TensorRT's documented dynamo path (https://docs.pytorch.org/TensorRT/): the maintained
-        # successor of NVIDIA-AI-IOT's torch2trt(model, [x], fp16_mode=True, max_workspace_size=1 << 30).
+        # Torch-TensorRT's documented dynamo path (https://docs.pytorch.org/TensorRT/), TensorRT's integration
+        # in the PyTorch organisation. NVIDIA-AI-IOT's torch2trt(model, [x], fp16_mode=True,
+        # max_workspace_size=1 << 30) is a separate, older converter.
         import torch_tensorrt
         precisions = {torch.half} if args.fp16 else {torch.float}
         compiled = torch_tensorrt.compile(model, ir="dynamo", inputs=[x], enabled_precisions=precisions,
@@ -128,6 +140,8 @@ def main(argv=None):
         building, running = torch.no_grad, torch.inference_mode      # exporters trace outside inference mode
         if args.device == "cuda":
             sync = torch.cuda.synchronize
+    on_gpu = args.device == "cuda" and args.engine != "onnxruntime"
+    bare = gpu_free(on_gpu)                      # on a GPU: the CUDA context exists now, nothing else yet
 
     start = time.perf_counter()
     with building():
@@ -144,18 +158,20 @@ def main(argv=None):
         reset_peak()
         out = fn(x)                              # warm-up: arenas and workspaces grow here
         sync()
-        times = []
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt   # pages touched for the first time (minor faults)
+        times, cpu_times, faults = [], [], []
         for _ in range(args.repeat):
             sync()
-            t0 = time.perf_counter()
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt   # pages touched for the first time (minor faults)
+            t0, c0 = time.perf_counter(), time.process_time()         # wall clock; this process's CPU time
             out = fn(x)
             sync()
             times.append(time.perf_counter() - t0)
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            cpu_times.append(time.process_time() - c0)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         gc.collect()
         give_back_free_pages()                   # what stays is the engine's: an arena's blocks, not malloc's cache
         now, peak = rss()
+        served = gpu_free(on_gpu)
         kept_file = file_backed() - loaded_file  # code pages the first calls read in: not the engine's data
     out = out[0] if isinstance(out, (tuple, list)) else out
     if not isinstance(out, np.ndarray):
@@ -163,8 +179,10 @@ def main(argv=None):
     np.save(workdir / f"{args.tag}.npy", out.astype(np.float32))
     result = dict(engine=args.engine, model=args.model, latency_s=statistics.median(times), times=times,
                   build_s=build_s, loaded_bytes=loaded, extra_peak_bytes=max(peak - loaded, 0),
-                  kept_bytes=max(now - loaded, 0), malloc_trimmed=trimmed, minor_faults=faults,
+                  cpu_s=statistics.median(cpu_times), cpu_times=cpu_times, minor_faults=sum(faults), faults=faults,
+                  kept_bytes=max(now - loaded, 0), malloc_trimmed=trimmed,
                   kept_file_bytes=max(kept_file, 0),
+                  gpu_extra_bytes=None if bare is None else bare - served,
                   artifact=str(artifact) if artifact is not None else None,
                   artifact_bytes=artifact.stat().st_size if artifact is not None else None,
                   output=str(workdir / f"{args.tag}.npy"), arena=bool(args.arena),

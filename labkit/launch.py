@@ -5,12 +5,16 @@ In the notebook:  `launch("labkit.scripts.tensor_parallel", nproc=2)` runs
                   shows the ranks' `progress` lines as they come and returns rank 0's `write_result` data.
 In a rank:        `init()` (join the process group: NCCL when every rank has a GPU, else gloo on CPUs),
                   `progress(message)`, `write_result(data)`, `finish()`.
+One rank alone:   `with fake_ranks(8):` makes this process rank 0 of 8 in a fake process group (PyTorch's own,
+                  `torch.testing._internal.distributed.fake_pg`): every collective returns at once and moves
+                  nothing, so one process holds exactly one rank's share of a layout that needs 8 devices.
 Functions defined in a notebook cannot be pickled into spawned processes, hence the script files in
 labkit/scripts/. The sharded layers the ranks import are in `labkit.parallel`, the collective counter in
 `labkit.collectives`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["launch", "progress", "init", "finish", "write_result", "backend_for", "where_ranks_run"]
+__all__ = ["launch", "progress", "init", "finish", "write_result", "backend_for", "where_ranks_run", "fake_ranks"]
 
 
 def _free_port():
@@ -253,3 +257,29 @@ def write_result(data):
     if paths:
         with open(paths.split(os.pathsep)[0], "w") as f:
             json.dump(data, f)
+
+
+@contextlib.contextmanager
+def fake_ranks(world, rank=0):
+    """This process as rank `rank` of `world` ranks, in a fake process group, for the block; then none.
+
+    PyTorch's "fake" backend (registered by torch.testing._internal.distributed.fake_pg, what torchtitan's
+    memory estimator uses) answers every collective at once without communicating: an all-gather's output
+    or an all-reduce's result is left as it was (wrong values), but every tensor a real rank would allocate
+    is allocated here, with its real shape. So one process, on real tensors or on FakeTensorMode ones,
+    measures the memory of one rank of a layout over `world` devices (FSDP2, DTensor, labkit.zero and
+    labkit.parallel all run on it unchanged). Not for values: a result computed here is not the result.
+    """
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
+    if dist.is_initialized():
+        raise RuntimeError(f"a process group is already running here (backend {dist.get_backend()!r}, world "
+                           f"{dist.get_world_size()}): fake_ranks makes its own; leave the other one first")
+    from torch.testing._internal.distributed.fake_pg import FakeStore     # registers the "fake" backend
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -13,7 +13,7 @@ import torch
 
 from .device import size as _default_size
 
-__all__ = ["PRESETS", "TINY", "config", "build", "minilm", "FAMILY_CONFIGS", "family_config"]
+__all__ = ["PRESETS", "TINY", "config", "build", "cache_of", "minilm", "FAMILY_CONFIGS", "family_config"]
 
 # Published configurations (the model cards' config.json).
 PRESETS = {
@@ -126,6 +126,17 @@ def build(name, size=None, dtype=torch.float32, device="cpu", seed=0, **override
         # this one anyway; naming it keeps that notice out of every notebook.
         model.loss_type = "ForCausalLM"
     return model
+
+
+def cache_of(out):
+    """The KV cache of `generate(..., return_dict_in_generate=True)`'s output, under the name this transformers
+    gives it: `cache` from 5.24 on (where `past_key_values` still answers, with a deprecation warning),
+    `past_key_values` before (5.17, the GPU image's, has no `cache`)."""
+    for key in ("cache", "past_key_values"):         # ModelOutput holds a key only when its value is not None
+        if key in out:
+            return out[key]
+    raise ValueError(f"out holds no KV cache (no 'cache' or 'past_key_values' among {list(out.keys())}): "
+                     "call generate(..., return_dict_in_generate=True) with use_cache left on")
 
 
 # One published configuration per transformers family that lk.estimate covers (the model cards'

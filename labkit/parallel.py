@@ -24,6 +24,7 @@ from .launch import _alive, _free_port, finish, init, launch, progress, write_re
 
 __all__ = ["COMM", "CopyToParallel", "ReduceFromParallel", "copy_to_parallel", "reduce_from_parallel", "counted_all_reduce",
            "shard_weight", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention",
+           "ParallelLlamaAttention", "shard_llama",
            "balanced_split", "gpipe", "one_f_one_b", "replay",
            "launch", "progress", "init", "finish", "write_result", "process_group_calls"]
 
@@ -146,6 +147,26 @@ class ParallelAttention(torch.nn.Module):
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
         return self.o(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+
+
+class ParallelLlamaAttention(ParallelAttention):
+    """ParallelAttention called the way transformers' LlamaDecoderLayer calls its attention: by keyword, with
+    the mask and cache arguments (ignored: causal, no cache, no padding), returning (output, no weights)."""
+
+    def forward(self, hidden_states, position_embeddings, **ignored):
+        return super().forward(hidden_states, position_embeddings), None
+
+
+def shard_llama(model, rank, world):
+    """Rank `rank`'s share of a transformers Llama under `world`-way tensor parallelism, in place: every decoder
+    layer's attention and MLP replaced by ParallelLlamaAttention and ParallelMLP (1/world of their weights each,
+    copied from the full ones, which are then dropped); the embedding, the norms and the LM head stay whole on
+    every rank (Megatron-LM also splits the embedding and the head by vocabulary; this lesson does not).
+    Needs a process group of `world` ranks (labkit.launch.init, or fake_ranks to measure one rank alone)."""
+    for layer in model.model.layers:
+        layer.self_attn = ParallelLlamaAttention(layer.self_attn, rank, world)
+        layer.mlp = ParallelMLP(layer.mlp, rank, world)
+    return model
 
 
 def _largest_stage(candidate):                      # (largest stage cost, cuts) -> what balanced_split minimises

@@ -27,6 +27,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["COMM", "reset_comm", "comm_volume", "shard_size", "shard", "unshard", "all_reduce", "reduce_scatter",
            "all_gather", "Zero", "Gather", "STAGES"]
@@ -167,7 +168,9 @@ class Zero:
         self.master = [shard(p.float(), me, ranks).requires_grad_() for p in self.params]   # fp32 (S,)
         self.opt = torch.optim.AdamW(self.master, **{"foreach": False, **adamw})
         self.grad_shards = [None] * len(self.params)
-        self._hooks, self._gathered, self._regathered = [], {}, {}
+        # the storages of the weights gathered for the running unit: a view of one, saved for backward, is
+        # replaced by a note (keyed by the storage itself, which real, fake and meta tensors all have)
+        self._hooks, self._gathered, self._regathered = [], WeakIdKeyDictionary(), {}
         if stage == 2:
             for i, p in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._reduce_hook, i)))
@@ -279,14 +282,14 @@ class Zero:
         self._gathered.clear()
 
     def _note_gathered(self, full, i):
-        self._gathered[full.untyped_storage().data_ptr()] = i
+        self._gathered[full.untyped_storage()] = i
         self._label(full, "parameters")
         if self.tracker is not None:
             self.tracker.mark("all-gather")
 
     def pack(self, t):
         """A tensor saved for backward: a gathered weight (or a view of it) is replaced by a note."""
-        i = self._gathered.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        i = self._gathered.get(t.untyped_storage())
         return t if i is None else _SavedWeight(i, t)
 
     def unpack(self, saved):

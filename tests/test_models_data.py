@@ -33,6 +33,18 @@ def test_build_bad_input(kwargs, error, message):
         lk.models.build(**kwargs)
 
 
+def test_cache_of_reads_the_cache_under_either_name():
+    """transformers 5.24 names generate()'s cache `cache`, 5.17 (the GPU image's) `past_key_values`."""
+    assert lk.models.cache_of({"past_key_values": "old"}) == "old" and lk.models.cache_of({"cache": "new"}) == "new"
+    model = lk.models.build("llama-2-7b", "tiny").eval()
+    prompt = next(lk.data.batches(1, 8))
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2, min_new_tokens=2,
+                         do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    assert lk.models.cache_of(out).get_seq_length() == 9            # the prompt and the first new token
+    with pytest.raises(ValueError, match="no KV cache"):
+        lk.models.cache_of({"sequences": prompt})
+
+
 def test_minilm_is_pretrained_and_offline():
     model, tok = lk.models.minilm()
     assert sum(p.numel() for p in model.parameters()) == 22_713_216

@@ -6,9 +6,12 @@ same tiny Llama (fp32) is wrapped in DDP with torch's own `allreduce_hook` regis
 built-in all-reduce: same division by N, same asynchronous all-reduce per bucket), so that each bucket passes
 through the process group's Python methods, where `labkit.collectives.process_group_calls` counts it. DDP's first
 step puts every gradient in one bucket and then rebuilds the buckets in the order the gradients arrived, so the
-second step is counted. Then REPEATS steps are timed, backward only (its all-reduces included: DDP's backward
-returns when every bucket is averaged), against the same model without DDP whose gradients are flattened and
-all-reduced once after backward, and against backward alone and that one all-reduce alone.
+second step is counted, each bucket's bytes as the hook sees them. `bucket_cap_mb=None` is DDP's default: 25 MiB
+buckets after a first one of 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, used only when the cap is left
+to its default). Then REPEATS steps are timed, backward only (its all-reduces included: DDP's backward returns
+when every bucket is averaged), against the same model without DDP whose gradients are flattened and all-reduced
+once after backward, against backward alone and that one all-reduce alone, and against an all-reduce of 4 bytes
+(what every call costs however small: the latency).
 """
 import functools
 import statistics
@@ -23,7 +26,7 @@ import labkit as lk
 from labkit.collectives import process_group_calls
 from labkit.launch import finish, init, progress, write_result
 
-CAPS_MB = (0.25, 1, 4, 25)               # 25 is DDP's default; the tiny Llama's gradients are 7.25 MiB in fp32
+CAPS_MB = (0.25, 1, 4, None)             # None: DDP's default (1 MiB first, then 25 MiB); the tiny Llama's gradients: 7.25 MiB
 BATCH, SEQ, REPEATS = 2, 64, 5           # per rank
 
 
@@ -71,11 +74,11 @@ def flat_on_gpu(model):
     return next(model.parameters()).is_cuda
 
 
-def median_all_reduce(model):
-    """The one all-reduce of every gradient, alone (the gradients already there), median of REPEATS."""
+def median_all_reduce(model, repeats=REPEATS):
+    """The one all-reduce of every gradient, alone (the gradients already there), median of `repeats`."""
     one_all_reduce(model)
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
         one_all_reduce(model)
@@ -85,17 +88,42 @@ def median_all_reduce(model):
     return statistics.median(times)
 
 
+def median_latency(dev, repeats=4 * REPEATS):
+    """Seconds of an all-reduce of one fp32 number: what every call pays whatever its size."""
+    t = torch.zeros(1, device=dev)
+    dist.all_reduce(t)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        if t.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def sized_hook(sizes, bucket):
+    """torch's allreduce_hook on the default process group, noting the bytes of each bucket it is handed
+    (DDP passes the hook's state, here the list `sizes`, first)."""
+    sizes.append(bucket.buffer().numel() * bucket.buffer().element_size())
+    return allreduce_hook(None, bucket)
+
+
 def ddp_run(cap_mb, dev, ids):
     """Buckets of one DDP step after the rebuild, as the process group saw them, and backward's median time."""
-    ddp = DDP(build(dev), bucket_cap_mb=cap_mb)
-    ddp.register_comm_hook(None, allreduce_hook)     # None: the default process group
+    ddp = DDP(build(dev), bucket_cap_mb=cap_mb)       # None: DDP's default
+    sizes = []
+    ddp.register_comm_hook(sizes, sized_hook)
     first = {}
     for step in range(2):
+        sizes.clear()
         with process_group_calls() as counts:
             loss_of(ddp, ids).backward()
         ddp.zero_grad(set_to_none=True)
         first = first or dict(counts)
-    return dict(cap_mb=cap_mb, first_step=first, counted=dict(counts), median_s=median_backward(ddp, ids))
+    return dict(cap_mb=cap_mb, first_step=first, counted=dict(counts), bucket_bytes=list(sizes),
+                median_s=median_backward(ddp, ids))
 
 
 def main():
@@ -112,13 +140,15 @@ def main():
         one_all_reduce(model)
     out["one_all_reduce_counted"] = dict(counts)
     out["all_reduce_alone_s"] = median_all_reduce(model)
+    out["all_reduce_latency_s"] = median_latency(dev)
+    out["first_bucket_default_bytes"] = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20)   # torch's constant
     model.zero_grad(set_to_none=True)
     out["after_backward_s"] = median_backward(model, ids, functools.partial(one_all_reduce, model))
     progress(f"backward alone, the all-reduce alone, and one after the other: {REPEATS} times each, timed")
     out["ddp"] = []
     for cap in CAPS_MB:
         out["ddp"].append(ddp_run(cap, dev, ids))
-        progress(f"DDP with bucket_cap_mb={cap}: buckets counted, backward timed")
+        progress(f"DDP with bucket_cap_mb={cap}{' (the default)' if cap is None else ''}: buckets counted, backward timed")
     if rank == 0:
         write_result(out)
     finish()

@@ -8,7 +8,7 @@ Same model, batches and single-process reference as labkit.scripts.zero_scratch:
                                   gradients reduced in fp32
   + CPUOffloadPolicy              shards, gradients and the optimizer step on the CPU (on a CPU-only run
                                   they are there already: it must only give the same result)
-Each is checked against the reference (losses and weights after the steps); what each rank holds is
+Each is checked against the reference (the losses of every step and after the last, and the weights); what each rank holds is
 counted from its local tensors (`DTensor.to_local()`), and the step's peak measured with
 lk.track(backend="profiler"), which sees real allocations (DTensor's inner ops run below a dispatch mode).
 """
@@ -57,6 +57,12 @@ def train(model, opt, data, steps, track_last=False):
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(mean_over_ranks(loss.item()))
+    if steps == len(data):                             # every step run: the loss once more, after the last one
+        x, y = data[0]
+        with torch.no_grad():
+            losses.append(mean_over_ranks(loss_of(model, x.chunk(world)[rank], y.chunk(world)[rank], False).item()))
+        if hasattr(model, "reshard"):                  # FSDP2 keeps the root gathered after a forward with no backward
+            model.reshard()
     return losses, mem
 
 

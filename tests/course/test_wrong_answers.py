@@ -22,6 +22,10 @@ NOTEBOOKS = {p.name[:2]: p for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipyn
 # notebook -> [(exercise id, why it is wrong, the answer's source)]: the answer replaces the solution cell.
 WRONG = {
     "00": [
+        ("00-ex1", "views skipped (t._base is None): a view whose base tensor is not in the list goes uncounted", """
+            def storage_bytes(tensors):
+                return sum(t.untyped_storage().nbytes() for t in tensors if t._base is None)
+            """),
         ("00-ex2", "8.0 typed in after an untracked step", """
             def states_per_param(make_optimizer):
                 optimizer = make_optimizer(model.parameters())
@@ -61,6 +65,24 @@ WRONG = {
                     opt.zero_grad(set_to_none=True)
                 states = m.max_parts["parameters"] + m.max_parts["gradients"] + m.max_parts["optimizer"]
                 return states / sum(p.numel() for p in model.parameters())
+            """),
+        ("00-ex2", "8 or 12 typed in by whether the optimizer has momentum, after an untracked step", """
+            def states_per_param(make_optimizer):
+                optimizer = make_optimizer(model.parameters())
+                ids = next(batches)
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                return 12.0 if optimizer.defaults.get("momentum") else 8.0
+            """),
+        ("00-ex2", "8 bytes plus 4 per entry of the optimizer's state, counted after an untracked step", """
+            def states_per_param(make_optimizer):
+                optimizer = make_optimizer(model.parameters())
+                ids = next(batches)
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                return 8.0 + 4.0 * len(optimizer.state[next(model.parameters())])
             """),
         ("00-ex3", "a constant: the answer for one limit", """
             def largest_batch(limit):
@@ -128,6 +150,34 @@ WRONG = {
                 with lk.track(model) as m:
                     out = model(input_ids=ids, use_cache=False)
                 return m.at("forward end")["activations"]
+            """),
+        ("01-ex2", "saved storages keyed by the tensor's data_ptr(): views at an offset into one storage counted again", """
+            def saved_bytes(model, ids):
+                weights = {p.data_ptr() for p in model.parameters()}
+                saved = {}
+
+                def pack(t):
+                    if t.data_ptr() not in weights:
+                        saved[t.data_ptr()] = t.untyped_storage().nbytes()
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = model(input_ids=ids, use_cache=False)
+                return sum(saved.values())
+            """),
+        ("01-ex2", "each storage counted once but at the saved tensor's size (t.nbytes): a view smaller than its storage", """
+            def saved_bytes(model, ids):
+                weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+                saved = {}
+
+                def pack(t):
+                    if t.untyped_storage().data_ptr() not in weights:
+                        saved[t.untyped_storage().data_ptr()] = t.nbytes
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = model(input_ids=ids, use_cache=False)
+                return sum(saved.values())
             """),
     ],
     "02": [
@@ -198,6 +248,29 @@ WRONG = {
                         self.scale = self.scale * self.backoff
                     return finite
             """),
+        ("02-ex1", "the scale grown one clean step late (the count checked before it is raised)", """
+            class LossScaler:
+                def __init__(self, scale=2.0**16, growth=2.0, backoff=0.5, interval=2000):
+                    self.scale, self.growth, self.backoff, self.interval = scale, growth, backoff, interval
+                    self.clean = 0
+
+                def scale_loss(self, loss):
+                    return loss * self.scale
+
+                def step(self, optimizer):
+                    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+                    for g in grads:
+                        g.div_(self.scale)
+                    finite = all(torch.isfinite(g).all() for g in grads)
+                    if finite:
+                        optimizer.step()
+                        if self.clean == self.interval:
+                            self.scale, self.clean = self.scale * self.growth, 0
+                        self.clean += 1
+                    else:
+                        self.scale, self.clean = self.scale * self.backoff, 0
+                    return finite
+            """),
         ("02-ex2", "labkit.zero.Zero(stage=0): fp32 masters, AdamW and the copy back, found in the library", """
             import tempfile
             import torch.distributed as dist
@@ -251,6 +324,23 @@ WRONG = {
                     self.adamw.step()
                     for p, m in zip(self.params, self.master):
                         p.copy_(m)
+
+                def zero_grad(self, set_to_none=True):
+                    for p in self.params:
+                        p.grad = None
+            """),
+        ("02-ex2", "AdamW stepped on the bf16 weights, the fp32 copies refreshed from them afterwards", """
+            class MasterWeights:
+                def __init__(self, params, lr, **adamw):
+                    self.params = list(params)
+                    self.master = [p.detach().float() for p in self.params]
+                    self.adamw = torch.optim.AdamW(self.params, lr=lr, **adamw)
+
+                @torch.no_grad()
+                def step(self):
+                    self.adamw.step()
+                    for p, m in zip(self.params, self.master):
+                        m.copy_(p)
 
                 def zero_grad(self, set_to_none=True):
                     for p in self.params:
@@ -322,6 +412,21 @@ WRONG = {
                     layer.mlp = CheckpointedMLP(layer.mlp)
                 return model
             """),
+        ("03-ex2", "gate_proj and up_proj checkpointed one by one: their outputs are still kept", """
+            def checkpoint_mlps(model):
+                class Checkpointed(torch.nn.Module):
+                    def __init__(self, linear):
+                        super().__init__()
+                        self.linear = linear
+
+                    def forward(self, x):
+                        return checkpoint(self.linear, x, use_reentrant=False)
+
+                for layer in model.model.layers:
+                    layer.mlp.gate_proj = Checkpointed(layer.mlp.gate_proj)
+                    layer.mlp.up_proj = Checkpointed(layer.mlp.up_proj)
+                return model
+            """),
     ],
     "04": [
         ("04-ex1", "every saved tensor to bf16, no rules: integer labels come back as floats", """
@@ -374,6 +479,57 @@ WRONG = {
 
                 def unpack(self, packed):
                     return packed
+            """),
+        ("04-ex1", "the bf16 copy packed and the fp32 tensor kept beside it", """
+            class Bf16Hooks:
+                def __init__(self, weights, min_bytes=1024):
+                    self.weights, self.min_bytes, self.packed = weights, min_bytes, {}
+
+                def pack(self, t):
+                    if t.dtype != torch.float32 or t.nbytes < self.min_bytes or t.untyped_storage().data_ptr() in self.weights:
+                        return t
+                    key = (id(t.untyped_storage()), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                    if key not in self.packed:
+                        self.packed[key] = (t.to(torch.bfloat16), t)
+                    return self.packed[key]
+
+                def unpack(self, packed):
+                    return packed if isinstance(packed, torch.Tensor) else packed[0].float()
+            """),
+        ("04-ex1", "fp16 instead of bf16", """
+            import weakref
+
+            class Bf16Hooks:
+                def __init__(self, weights, min_bytes=1024):
+                    self.weights, self.min_bytes, self.packed = weights, min_bytes, {}
+
+                def pack(self, t):
+                    st = t.untyped_storage()
+                    if t.dtype != torch.float32 or t.nbytes < self.min_bytes or st.data_ptr() in self.weights:
+                        return t
+                    key = (id(st), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                    hit = self.packed.get(key)
+                    if hit is None or hit[0]() is not st:
+                        hit = self.packed[key] = (weakref.ref(st), (t.half(),))
+                    return hit[1]
+
+                def unpack(self, packed):
+                    return packed if isinstance(packed, torch.Tensor) else packed[0].float()
+            """),
+        ("04-ex1", "copies shared by data pointer alone: two views of one storage get one copy", """
+            class Bf16Hooks:
+                def __init__(self, weights, min_bytes=1024):
+                    self.weights, self.min_bytes, self.packed = weights, min_bytes, {}
+
+                def pack(self, t):
+                    if t.dtype != torch.float32 or t.nbytes < self.min_bytes or t.untyped_storage().data_ptr() in self.weights:
+                        return t
+                    if t.data_ptr() not in self.packed:
+                        self.packed[t.data_ptr()] = (t.to(torch.bfloat16),)
+                    return self.packed[t.data_ptr()]
+
+                def unpack(self, packed):
+                    return packed if isinstance(packed, torch.Tensor) else packed[0].float()
             """),
         ("04-ex2", "a file of zeros the right size, the values kept in memory", """
             import os, uuid
@@ -430,6 +586,49 @@ WRONG = {
                 path, shape = packed
                 return torch.from_numpy(np.fromfile(path, dtype=np.float32)).view(shape)
             """),
+        ("04-ex2", "the values written, and a numpy view of the tensor (torch's own memory) kept for unpack", """
+            import os, uuid
+
+            def pack_to_disk(t, folder):
+                path = folder / f"{uuid.uuid4().hex}.bin"
+                values = t.detach().cpu().numpy()
+                values.tofile(path)
+                return path, values
+
+            def unpack_from_disk(packed):
+                path, values = packed
+                os.remove(path)
+                return torch.from_numpy(values)
+            """),
+        ("04-ex2", "read back with numpy's default dtype (float64)", """
+            import os, uuid
+            import numpy as np
+
+            def pack_to_disk(t, folder):
+                path = folder / f"{uuid.uuid4().hex}.bin"
+                t.detach().cpu().numpy().tofile(path)
+                return path, t.shape
+
+            def unpack_from_disk(packed):
+                path, shape = packed
+                values = torch.from_numpy(np.fromfile(path))
+                os.remove(path)
+                return values.view(shape)
+            """),
+        ("04-ex2", "read back flat: the shape never restored", """
+            import os, uuid
+            import numpy as np
+
+            def pack_to_disk(t, folder):
+                path = folder / f"{uuid.uuid4().hex}.bin"
+                t.detach().cpu().numpy().tofile(path)
+                return path
+
+            def unpack_from_disk(path):
+                values = torch.from_numpy(np.fromfile(path, dtype=np.float32))
+                os.remove(path)
+                return values
+            """),
     ],
     "05": [
         ("05-ex1", "the smallest block that fits, the max_split_size rules left out", """
@@ -449,6 +648,32 @@ WRONG = {
                 best = min(fits)
                 if max_split is not None and size < max_split and best[0] >= max_split:
                     return None
+                return best
+            """),
+        ("05-ex1", "equal sizes taken in the list's order, not by the lowest address", """
+            def my_best_fit(free_blocks, size, max_split=None):
+                fits = [b for b in free_blocks if b[0] >= size]
+                if not fits:
+                    return None
+                best = min(fits, key=lambda b: b[0])
+                if max_split is not None:
+                    if size < max_split and best[0] >= max_split:
+                        return None
+                    if size >= max_split and best[0] >= size + 20 * MiB:
+                        return None
+                return best
+            """),
+        ("05-ex1", "a large request takes a block exactly max_non_split_rounding larger (> for >=)", """
+            def my_best_fit(free_blocks, size, max_split=None):
+                fits = [b for b in free_blocks if b[0] >= size]
+                if not fits:
+                    return None
+                best = min(fits)
+                if max_split is not None:
+                    if size < max_split and best[0] >= max_split:
+                        return None
+                    if size >= max_split and best[0] > size + 20 * MiB:
+                        return None
                 return best
             """),
         ("05-ex2", "every size rounded to a multiple of 512, the divisions ignored", """
@@ -471,6 +696,18 @@ WRONG = {
                     return -(-size // step) * step
                 return -(-size // 512) * 512
             """),
+        ("05-ex2", "divisions used without checking there are more than one (0 divisions divides by zero)", """
+            def my_round_size(size, divisions):
+                if size < 512:
+                    return 512
+                if size > 512 * divisions:
+                    floor = 1 << (size.bit_length() - 1)
+                    if floor == size:
+                        return size
+                    step = floor // divisions
+                    return -(-size // step) * step
+                return -(-size // 512) * 512
+            """),
     ],
     "06": [
         ("06-ex1", "the two codes of a byte in the wrong order (the first in the low nibble)", """
@@ -487,6 +724,13 @@ WRONG = {
                 codes = (x[..., None] / absmax[:, None, None] - NF4).abs().argmin(-1).flatten().to(torch.uint8)
                 return (codes[0::2] << 4) | codes[1::2], absmax
             """),
+        ("06-ex1", "uniform 4-bit codes (16 even steps over [-1, 1]), not the nearest NF4 level", """
+            def nf4_quantize(w, block=BLOCK):
+                x = w.reshape(-1, block).float()
+                absmax = x.abs().amax(dim=1)
+                codes = torch.round((x / absmax[:, None] + 1) * 7.5).flatten().to(torch.uint8)
+                return (codes[0::2] << 4) | codes[1::2], absmax
+            """),
         ("06-ex2", "a zero block divided by its zero scale: NaN", """
             def int4_absmax(w, block=BLOCK):
                 x = w.reshape(-1, block)
@@ -499,6 +743,11 @@ WRONG = {
                 scale = x.abs().amax(dim=1, keepdim=True) / 8
                 q = torch.where(scale > 0, torch.round(x / scale.clamp_min(1e-30)), 0).clamp(-8, 7)
                 return (q * scale).reshape(w.shape)
+            """),
+        ("06-ex2", "one scale for the whole tensor, not one per block", """
+            def int4_absmax(w, block=BLOCK):
+                scale = w.abs().max() / 7
+                return (torch.round(w / scale).clamp(-7, 7) * scale).reshape(w.shape)
             """),
         ("06-ex3", "a number typed in", """
             def adapter_bytes(cfg, rank):
@@ -522,6 +771,13 @@ WRONG = {
                 h = cfg.hidden_size
                 kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
                 return cfg.num_hidden_layers * rank * ((h + h) + (h + kv)) * 12
+            """),
+        ("06-ex3", "weights and moments, the gradients forgotten (10 bytes per adapter parameter)", """
+            def adapter_bytes(cfg, rank):
+                h, i = cfg.hidden_size, cfg.intermediate_size
+                kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+                projections = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+                return cfg.num_hidden_layers * rank * sum(a + b for a, b in projections) * 10
             """),
     ],
     "07": [
@@ -645,6 +901,35 @@ WRONG = {
             def combine(o_parts, lse_parts):
                 return (torch.exp(lse_parts)[..., None] * o_parts).sum(-2)
             """),
+        ("08-ex1", "no running maximum: exp(s) summed as it is, inf once a score passes 88 (REVIEW8)", """
+            def tiled_causal(q, k, v, block=64):
+                N, scale = q.shape[-2], 1 / math.sqrt(q.shape[-1])
+                rows = torch.arange(N, device=q.device)
+                l = torch.zeros(q.shape[:-1], device=q.device)
+                acc = torch.zeros(q.shape, device=q.device)
+                for start in range(0, N, block):
+                    kb, vb = k[..., start:start + block, :].float(), v[..., start:start + block, :].float()
+                    s = (q.float() @ kb.transpose(-1, -2)) * scale
+                    cols = torch.arange(start, start + kb.shape[-2], device=q.device)
+                    p = torch.exp(s.masked_fill(cols[None, :] > rows[:, None], float("-inf")))
+                    l, acc = l + p.sum(-1), acc + p @ vb
+                return (acc / l[..., None]).to(q.dtype)
+            """),
+        ("08-ex2", "P from a softmax written out by hand: the log-sum-exp the forward saved never read (REVIEW8)", """
+            def attention_backward(q, k, v, o, lse, do):
+                scale = 1 / math.sqrt(q.shape[-1])
+                s = q @ k.transpose(-1, -2) * scale
+                e = torch.exp(s - s.amax(-1, keepdim=True))
+                p = e / e.sum(-1, keepdim=True)
+                dv = p.transpose(-1, -2) @ do
+                ds = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+                return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, dv
+            """),
+        ("08-ex3", "the formula written literally, L = log(sum(exp(lse))): inf once an lse passes 88 (REVIEW8)", """
+            def combine(o_parts, lse_parts):
+                total = torch.log(torch.exp(lse_parts).sum(-1))
+                return (torch.exp(lse_parts - total[..., None])[..., None] * o_parts).sum(-2)
+            """),
     ],
     "09": [
         ("09-ex1", "the bias added by every rank before the all-reduce", """
@@ -673,6 +958,11 @@ WRONG = {
             def smallest_microbatches(p, target):
                 return 64
             """),
+        ("09-ex2", "the closed form in floats: 7 * 0.9 / 0.1 rounds to 62.99..., one m short (REVIEW8)", """
+            def smallest_microbatches(p, target):
+                t = float(target)
+                return int((p - 1) * (1 - t) / t) + 1
+            """),
         ("09-ex3", "f without the all-reduce of its gradient", """
             class Copy(torch.autograd.Function):
                 @staticmethod
@@ -692,6 +982,26 @@ WRONG = {
                 @staticmethod
                 def backward(ctx, grad):
                     return grad
+            """),
+        ("09-ex3", "f and g swapped: the all-reduce in Copy's forward and in Reduce's backward (REVIEW8)", """
+            class Copy(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x):
+                    return all_reduce(x)
+
+                @staticmethod
+                def backward(ctx, grad):
+                    return grad
+
+
+            class Reduce(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x):
+                    return x.view_as(x)
+
+                @staticmethod
+                def backward(ctx, grad):
+                    return all_reduce(grad)
             """),
         ("09-ex4", "GPipe's order: all forwards, then all backwards", """
             def one_f_one_b_order(p, m):
@@ -723,6 +1033,14 @@ WRONG = {
             def my_reduce_scatter(grads, rank):
                 return torch.stack(grads).mean(0).reshape(-1).chunk(len(grads))[rank]
             """),
+        ("10-ex1", "the rank's own gradient cut into its shard, never reduced over the ranks (REVIEW8)", """
+            def my_reduce_scatter(grads, rank):
+                world = len(grads)
+                own = grads[rank].reshape(-1)
+                size = -(-own.numel() // world)
+                padded = torch.cat([own, own.new_zeros(size * world - own.numel())])
+                return padded[rank * size:(rank + 1) * size]
+            """),
         ("10-ex2", "K = 8: Adam's two moments without the fp32 master weights", """
             def states_per_param(stage, n):
                 weights, grads, adam = 2, 2, 8
@@ -744,6 +1062,10 @@ WRONG = {
                     weights /= n
                 return weights + grads + adam
             """),
+        ("10-ex2", "DDP's 16 bytes whatever the stage: the sharding left out (REVIEW8)", """
+            def states_per_param(stage, n):
+                return 2 + 2 + 12
+            """),
         ("10-ex3", "a note that keeps a full copy of the weight: nothing saved", """
             def pack(t):
                 if t.untyped_storage().data_ptr() in gathered:
@@ -762,6 +1084,17 @@ WRONG = {
 
             def unpack(saved):
                 return saved
+            """),
+        ("10-ex3", "a note holding a detached view: the same storage, so the gathered copy stays alive (REVIEW8)", """
+            def pack(t):
+                if t.untyped_storage().data_ptr() in gathered:
+                    return ("note", t.detach())
+                return t
+
+            def unpack(saved):
+                if isinstance(saved, torch.Tensor):
+                    return saved
+                return saved[1]
             """),
     ],
     "11": [
@@ -822,6 +1155,32 @@ WRONG = {
                     s = torch.sigmoid(gate)
                     return grad_out * up * s * (1 + gate * (1 - s)), grad_out * silu
             """),
+        ("11-ex2", "gate and up kept as attributes of ctx, not with save_for_backward: nothing counted as saved", """
+            class SiluMul(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, gate, up):
+                    ctx.gate, ctx.up = gate, up
+                    return torch.nn.functional.silu(gate) * up
+
+                @staticmethod
+                def backward(ctx, grad_out):
+                    gate, up = ctx.gate, ctx.up
+                    s = torch.sigmoid(gate)
+                    return grad_out * up * s * (1 + gate * (1 - s)), grad_out * gate * s
+            """),
+        ("11-ex2", "sigmoid(gate) saved beside gate and up, so that backward need not recompute it", """
+            class SiluMul(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, gate, up):
+                    s = torch.sigmoid(gate)
+                    ctx.save_for_backward(gate, up, s)
+                    return gate * s * up
+
+                @staticmethod
+                def backward(ctx, grad_out):
+                    gate, up, s = ctx.saved_tensors
+                    return grad_out * up * s * (1 + gate * (1 - s)), grad_out * gate * s
+            """),
         ("11-ex2", "SiLU's derivative taken as sigmoid(gate) alone", """
             class SiluMul(torch.autograd.Function):
                 @staticmethod
@@ -850,6 +1209,12 @@ WRONG = {
             def my_program_of(pid_m, pid_n, num_pid_m, num_pid_n, group_m):
                 return pid_n * num_pid_m + pid_m
             """),
+        ("12-ex1", "the last group's size taken from pid_m instead of the group's first tile-row", """
+            def my_program_of(pid_m, pid_n, num_pid_m, num_pid_n, group_m):
+                first_m = (pid_m // group_m) * group_m
+                rows_here = min(num_pid_m - pid_m, group_m)
+                return first_m * num_pid_n + pid_n * rows_here + (pid_m - first_m)
+            """),
         ("12-ex2", "all the logits at once", """
             def chunked_ce_forward(hidden, weight, targets, chunk):
                 return F.cross_entropy(hidden @ weight.T, targets, reduction="none")
@@ -866,6 +1231,22 @@ WRONG = {
                 top = logits.max(axis=1, keepdims=True)
                 lse = np.log(np.exp(logits - top).sum(axis=1)) + top[:, 0]
                 return torch.from_numpy(lse - logits[np.arange(len(logits)), targets.cpu().numpy()]).to(hidden.device)
+            """),
+        ("12-ex2", "a log-sum-exp without each row's max: exp() overflows for logits above 88", """
+            def chunked_ce_forward(hidden, weight, targets, chunk):
+                losses = []
+                for s in range(0, hidden.shape[0], chunk):
+                    logits = hidden[s:s + chunk] @ weight.T
+                    losses.append(torch.log(torch.exp(logits).sum(dim=-1)) - logits.gather(1, targets[s:s + chunk, None])[:, 0])
+                return torch.cat(losses)
+            """),
+        ("12-ex2", "the last, shorter chunk dropped (range(N // chunk))", """
+            def chunked_ce_forward(hidden, weight, targets, chunk):
+                losses = []
+                for i in range(hidden.shape[0] // chunk):
+                    logits = hidden[i * chunk:(i + 1) * chunk] @ weight.T
+                    losses.append(torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[i * chunk:(i + 1) * chunk, None])[:, 0])
+                return torch.cat(losses)
             """),
         ("12-ex2", "each row's log-sum-exp, the target's logit forgotten", """
             def chunked_ce_forward(hidden, weight, targets, chunk):
@@ -947,7 +1328,7 @@ def _prepared(path):
     by_exercise = {}
     for exercise, why, source in WRONG[path.name[:2]]:
         by_exercise.setdefault(exercise, []).append((why, source))
-    last = 0
+    tail = None                                 # the last cell added, wherever later insertions put it
     for exercise, answers in by_exercise.items():
         solution = nb.cells[_cell_index(nb, f"{exercise}-solution")]
         check = nb.cells[_cell_index(nb, f"{exercise}-check")]
@@ -960,8 +1341,9 @@ def _prepared(path):
             tries.append((copy, exercise, why))
         added.append(nbformat.v4.new_code_cell(solution.source))       # the answer key again for what follows
         nb.cells[at:at] = added
-        last = max(last, at + len(added))
-    del nb.cells[last:]
+        if tail is None or at > next(i for i, c in enumerate(nb.cells) if c is tail):
+            tail = added[-1]
+    del nb.cells[next(i for i, c in enumerate(nb.cells) if c is tail) + 1:]
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None

@@ -33,8 +33,8 @@ BYPASSES = {
                 model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                kind = "sgd-momentum" if optimizer.defaults["momentum"] else "sgd"
-                e = lk.estimate(model.config, batch=BATCH, seq=SEQ, dtype="fp32", optimizer=kind)
+                kind = {"Adam": "adam", "SGD": "sgd-momentum" if optimizer.defaults.get("momentum") else "sgd"}
+                e = lk.estimate(model.config, batch=BATCH, seq=SEQ, dtype="fp32", optimizer=kind[type(optimizer).__name__])
                 return (e.parts["parameters"] + e.parts["gradients"] + e.parts["optimizer"]) / e.params
             """),
     ],

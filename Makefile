@@ -7,11 +7,20 @@ PYTHON  ?= $(VENV)/bin/python
 LOCK    := labkit/lock.txt
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 TORCH   := torch==2.13.0
-# Where torch comes from: the registry (PyPI) by default, whose Linux torch is a CUDA build (several GB of
-# CUDA libraries). A Linux laptop without a GPU can take the CPU-only build instead, on a fresh .venv:
+# Where torch comes from: the registry (PyPI) by default, whose Linux torch is a CUDA 13 build (about 6 GB
+# in .venv with its CUDA libraries). A Linux laptop without a GPU can take the CPU-only build instead, on a
+# fresh .venv:
 #   make lab TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# torch alone comes from that index and from nowhere else (--no-deps): where it cannot be reached, make
+# stops and says so, rather than fall back to the registry's CUDA build. Its dependencies come from PyPI.
 TORCH_INDEX ?=
-TORCH_FROM   = $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple)
+define TORCH_FROM_INDEX
+	@echo "torch from $(TORCH_INDEX) only (TORCH_INDEX), its dependencies from the registry"
+	@$(1) -m pip install -q --retries 2 --no-deps --index-url $(TORCH_INDEX) -c $(2) $(TORCH) || \
+	  { echo "make: torch could not be installed from TORCH_INDEX=$(TORCH_INDEX) (unreachable, or no $(TORCH) there)."; \
+	    echo "Nothing else was installed. Check the address and the network, or leave TORCH_INDEX out to take the"; \
+	    echo "registry's torch (on Linux a CUDA build: about 6 GB)."; exit 2; }
+endef
 TESTENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 LABKIT_SIZE=tiny MPLBACKEND=Agg HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Two notebooks at a time, each file's tests (a notebook's cells: one kernel) in one worker.
 WORKERS ?= 2
@@ -29,13 +38,13 @@ LAB_ARGS := --ServerApp.root_dir=$(LAB_DIR) --LabApp.default_url=/lab/tree/00_st
 # The GPU targets run with any Python that has torch (PYTHON=python3 on a machine with a CUDA torch): labkit
 # comes from this folder through PYTHONPATH, nothing is installed, and nbval's kernels (started in
 # notebooks/) inherit it.
-GPUENV   = PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) MPLBACKEND=Agg HF_HUB_OFFLINE=1
+GPUENV   = PYTHONPATH=$(if $(WHEELS),$(GPU_SITE):)$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) MPLBACKEND=Agg HF_HUB_OFFLINE=1
 # The system's Chromium (Debian: /usr/bin/chromium) unless named: make test-browser CHROMIUM=/usr/bin/google-chrome
 CHROMIUM ?= $(firstword $(wildcard /usr/bin/chromium) $(shell command -v chromium 2>/dev/null))
 COURSE  := tests/course
 BROWSER := tests/browser
 
-.PHONY: env lab test test-unit test-notebooks test-gpu gpu-smoke check-resolution test-course test-browser workbook student instructor bench lock clean
+.PHONY: env lab test test-unit test-notebooks test-gpu gpu-smoke gpu-wheels check-gpu-wheels twin-env test-twin check-resolution test-course test-browser workbook student instructor bench lock clean
 
 # The environment: torch first (pinned, so nothing pulls another multi-GB build), then labkit and its
 # extras, every package at the version the lock names.
@@ -44,8 +53,9 @@ $(STAMP): pyproject.toml $(LOCK)
 	  { echo "$(PY) is $$($(PY) -V 2>&1); the locked versions need Python 3.11 or newer (3.11-3.13 are checked)."; \
 	    echo "Run e.g. 'make $(or $(MAKECMDGOALS),env) PY=python3.12', or use environment.yml with conda."; exit 2; }
 	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(call TORCH_FROM_INDEX,$(PYTHON),$(LOCK)))
 	$(PYTHON) -m pip install -q -c $(LOCK) --upgrade pip
-	$(PYTHON) -m pip install -q -c $(LOCK) $(TORCH_FROM) $(TORCH)
+	$(PYTHON) -m pip install -q -c $(LOCK) $(TORCH)
 	$(PYTHON) -m pip install -q -c $(LOCK) -e '.[all]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
@@ -66,22 +76,63 @@ test-unit: env
 test-notebooks: env
 	$(TESTENV) $(PYTHON) $(PYTEST) notebooks $(NBVAL)
 
-# On a CUDA machine: every notebook at full size, plus the GPU-only checks in tests/test_gpu.py; with .venv
-# (make env) or with a Python that already has a CUDA torch: make test-gpu PYTHON=python3.
+# On a CUDA machine: every notebook at full size, plus the GPU-only checks in tests/test_gpu.py, within
+# 10 minutes on one H100-class GPU: parallel workers on the one GPU, each notebook's kernel fenced to a 24 GB
+# card's memory, each result (status, minutes, peak) in data/gpu/<gpu>.jsonl (labkit/scripts/gpu_run.py).
+# With .venv (make env) or a Python that already has a CUDA torch: make test-gpu PYTHON=python3.
+# NOTEBOOKS="03 05": only those (NOTEBOOKS=todo: what this GPU has not passed yet); GPU_WORKERS=N;
+# WHEELS=build/gpu-wheels: first install that folder (make gpu-wheels) offline into build/gpu-site.
+# GPU_ARGS: the script's own options (--budget SECONDS, --fence 22GiB, --plan).
+GPU_WORKERS ?=
+GPU_ARGS ?=
+WHEELS ?=
+GPU_SITE := $(CURDIR)/build/gpu-site
+INSTALL_WHEELS = $(if $(WHEELS),$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) $(WHEELS)/*.whl &&)
 test-gpu:
-	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) does not exist: run 'make env' first, or name a Python that has a CUDA torch: make test-gpu PYTHON=python3"; exit 2; }
-	@$(GPUENV) $(PYTHON) labkit/scripts/check_python.py test-gpu
-	$(GPUENV) LABKIT_SIZE=full $(PYTHON) -m pytest tests/test_gpu.py notebooks \
-	  --nbval-lax --nbval-current-env --nbval-cell-timeout=900 -p no:cacheprovider
+	@started=$$(date +%s); \
+	command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) does not exist: run 'make env' first, or name a Python that has a CUDA torch: make test-gpu PYTHON=python3"; exit 2; }; \
+	$(INSTALL_WHEELS) $(GPUENV) $(PYTHON) labkit/scripts/check_python.py test-gpu && \
+	$(GPUENV) $(PYTHON) -m labkit.scripts.gpu_run --started $$started $(if $(NOTEBOOKS),--notebooks $(NOTEBOOKS)) \
+	  $(if $(GPU_WORKERS),--workers $(GPU_WORKERS)) $(GPU_ARGS)
 
-# At most 6 minutes on one CUDA GPU: the most valuable GPU checks first, each result a JSON line in
-# data/gpu/<gpu>.jsonl (labkit/scripts/gpu_smoke.py; without CUDA it says so and exits 2, as does make).
-# SMOKE_ARGS: the script's own options, e.g. SMOKE_ARGS="--only flash,tf32".
+# For a GPU machine without a network: the wheels `make test-gpu` needs beyond the GPU image
+# (data/gpu/image.txt), for CPython 3.12 on Linux x86-64, into build/gpu-wheels/ (with the repository's
+# tree, under 64 MiB); needs the package registry (labkit/scripts/gpu_wheels.py).
+gpu-wheels: env
+	$(PYTHON) labkit/scripts/gpu_wheels.py --dest build/gpu-wheels
+
+# The folder installed offline (--no-index) into a clean Python 3.12 venv beside the image's packages (taken
+# from the twin), and a notebook run there under nbval as `make test-gpu` runs one (tests/test_gpu_wheels.py).
+check-gpu-wheels: gpu-wheels twin-env
+	$(TESTENV) LABKIT_TWIN=$(abspath $(TWIN)) $(PYTHON) -m pytest -p no:cacheprovider -q tests/test_gpu_wheels.py
+
+# The twin: the GPU image's versions on this CPU (Python 3.12, the registry's torch 2.11 CUDA build, triton
+# 3.6, transformers 5.17: data/gpu/image.txt), built from the registry alone into TWIN (kept while its
+# inputs are unchanged; about 6 GB), then every notebook at tiny size and the unit tests in it, labkit from
+# this folder (labkit/scripts/twin.py). TWIN_PY: its Python 3.12 (default: python3.12, else pyenv's).
+TWIN    ?= build/twin
+TWIN_PY ?=
+# What the twin leaves to `make test`: tests of files and configuration, the same on any version.
+TWIN_SKIP ?= $(addprefix --ignore=tests/,test_hygiene.py test_seeds.py test_ci.py test_twin.py test_resolution.py \
+             test_lock.py test_gpu_wheels.py)
+twin-env:
+	$(PY) labkit/scripts/twin.py env --venv $(TWIN) $(if $(TWIN_PY),--python $(TWIN_PY))
+
+# tests/twin/: triton 3.6's CPU interpreter given triton 3.7's one-line fix for numpy 2.4+ (its sitecustomize).
+test-twin: twin-env
+	$(TESTENV) PYTHONPATH=$(CURDIR)/tests/twin:$(CURDIR) $(TWIN)/bin/python $(PYTEST) tests notebooks $(NBVAL) \
+	  --nbval-current-env --ignore=$(COURSE) --ignore=$(BROWSER) $(TWIN_SKIP)
+
+# At most 5 minutes on one CUDA GPU, counted from the command's start (--started): the most valuable GPU
+# checks first, each result a JSON line in data/gpu/<gpu>.jsonl (labkit/scripts/gpu_smoke.py; without CUDA
+# it says so and exits 2, as does make). SMOKE_ARGS: the script's own options, e.g. SMOKE_ARGS="--only flash,tf32".
 SMOKE_ARGS ?=
 gpu-smoke:
-	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) does not exist: run 'make env' first, or name a Python that has a CUDA torch: make gpu-smoke PYTHON=python3"; exit 2; }
-	@$(GPUENV) $(PYTHON) labkit/scripts/check_python.py gpu-smoke
-	$(GPUENV) $(PYTHON) -m labkit.scripts.gpu_smoke $(SMOKE_ARGS)
+	@started=$$(date +%s); \
+	command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) does not exist: run 'make env' first, or name a Python that has a CUDA torch: make gpu-smoke PYTHON=python3"; exit 2; }; \
+	$(INSTALL_WHEELS) $(GPUENV) $(PYTHON) labkit/scripts/check_python.py gpu-smoke && \
+	echo "$(GPUENV) $(PYTHON) -m labkit.scripts.gpu_smoke --started $$started $(SMOKE_ARGS)" && \
+	$(GPUENV) $(PYTHON) -m labkit.scripts.gpu_smoke --started $$started $(SMOKE_ARGS)
 
 # Needs the package registry: the lock resolves, wheels only, on macOS arm64, Windows x86-64, Linux aarch64
 # and x86-64 for Python 3.11-3.13, and installs here as `make env` does from the registry alone.
@@ -132,8 +183,9 @@ lock:
 	$(LOCKENV)/bin/python -m pip install -q -c $(LOCK) uv
 	cp $(LOCK) build/lock.old.txt && cp $(LOCK) build/lock.resolved.txt
 	echo pip | $(LOCKENV)/bin/python -m uv $(UV_COMPILE) -o build/lock.resolved.txt
+	$(if $(TORCH_INDEX),$(call TORCH_FROM_INDEX,$(LOCKENV)/bin/python,build/lock.resolved.txt))
 	$(LOCKENV)/bin/python -m pip install -q --upgrade pip
-	$(LOCKENV)/bin/python -m pip install -q -c build/lock.resolved.txt $(TORCH_FROM) $(TORCH)
+	$(LOCKENV)/bin/python -m pip install -q -c build/lock.resolved.txt $(TORCH)
 	{ echo "# Every package's version, for every platform and Python 3.11-3.13 (a universal lock, environment markers"; \
 	  echo "# on the lines that differ), resolved by \`make lock\` (uv pip compile --universal) from pyproject.toml and"; \
 	  $(LOCKENV)/bin/python -c "import platform, torch; print('# verified by \`make test\` on', platform.system(), \

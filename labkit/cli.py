@@ -1,4 +1,4 @@
-"""`labkit doctor` and `labkit estimate MODEL ...` on the command line."""
+"""`labkit doctor`, `labkit estimate MODEL ...` and `labkit plan MODEL ...` on the command line."""
 from __future__ import annotations
 
 import argparse
@@ -327,10 +327,10 @@ def main(argv=None):
                     help="only these notebooks, by number or name (default: all), e.g. --notebooks 05 10")
     wb.add_argument("--cell-timeout", type=int, default=None, metavar="SECONDS",
                     help="fail a notebook whose cell runs longer (default: 300 at tiny size, 900 at full)")
-    st = sub.add_parser("student", help="notebooks without solutions, into build/student")
-    st.add_argument("--in-step", action="store_true",
-                    help="only bring build/student in step with notebooks/, keeping notebooks the learner changed "
-                         "(what `make lab` runs)")
+    st = sub.add_parser("student", help="notebooks without solutions, into build/student (a notebook the learner "
+                                        "changed there is kept; the course's new version goes beside it)")
+    st.add_argument("--in-step", action="store_true", help="one line in all, not one per notebook (what `make lab` runs)")
+    st.add_argument("--dest", type=pathlib.Path, default=BUILD / "student", help="the student build (default: %(default)s)")
     sub.add_parser("instructor", help="the answer key as an nbgrader course folder, into build/course")
     ag = sub.add_parser("agenda", help="a one- or two-day workshop agenda from the notebooks' measured minutes")
     ag.add_argument("--days", type=int, default=1, choices=[1, 2])
@@ -339,32 +339,40 @@ def main(argv=None):
                     help="recompute the agenda blocks of this file in place (e.g. docs/instructor.md)")
     est = sub.add_parser("estimate", help="estimated memory of a model preset or of any config.json")
     est.add_argument("model", help="a preset (e.g. llama-2-7b), a family (e.g. mistral-7b) or a path to a config.json")
-    est.add_argument("--seq", type=int, default=2048)
+    est.add_argument("--seq", type=int, default=None,
+                     help="sequence length (default: 2048, or the model's max_position_embeddings if smaller)")
     est.add_argument("--batch", type=int, default=1)
     est.add_argument("--dtype", default="bf16", help="fp32, bf16, fp16, mixed, amp-bf16 or amp-fp16")
     est.add_argument("--train", metavar="OPTIMIZER", default=None,
-                     help="estimate a training step with this optimizer (adamw, adam, sgd, ...)")
+                     help="estimate a training step with this optimizer (adamw, adam, sgd, adamw-8bit, ...)")
     est.add_argument("--recompute", action="store_true", help="full activation recomputation")
     est.add_argument("--kv-tokens", type=int, default=None, help="inference: tokens in the KV cache (default: seq)")
+    est.add_argument("--max-positions", type=int, default=None, metavar="N",
+                     help="estimate beyond the config's max_position_embeddings, up to N")
     est.add_argument("--size", default="full", choices=["tiny", "full"])
-    pl = sub.add_parser("plan", help="the levers of notebooks 01-12 combined for a model, a task and a GPU, ranked")
-    pl.add_argument("model", help="a preset (e.g. llama-2-7b), a family or a path to a config.json")
-    pl.add_argument("--task", required=True, help="pretrain, finetune, lora, qlora or serve")
-    pl.add_argument("--gpu", required=True, help="a GPU of data/gpus.csv (e.g. L4, H100) or a memory size ('24 GiB')")
+    pl = sub.add_parser("plan", help="will it fit? the levers practitioners use, combined for a model, a task and "
+                                     "a GPU, ranked")
+    pl.add_argument("model", nargs="?", help="a preset (e.g. llama-2-7b), a family or a path to a config.json")
+    pl.add_argument("--task", help="pretrain, finetune, lora, qlora or serve")
+    pl.add_argument("--gpu", help="a GPU of data/gpus.csv (e.g. L4, H100) or its memory as the driver reports it "
+                                  "('24 GiB')")
     pl.add_argument("--gpus", type=int, default=1)
     pl.add_argument("--seq", type=int, default=2048, help="sequence length (serve: the context length)")
     pl.add_argument("--batch", type=int, default=1, help="sequences per step (serve: concurrent sequences)")
-    pl.add_argument("--rows", type=int, default=10, help="rows of the table (default: %(default)s)")
-    pl.add_argument("--json", action="store_true", help="every plan as a JSON list")
+    pl.add_argument("--host-mem", default=None, metavar="SIZE",
+                    help="the node's CPU memory for offloaded state, e.g. '512 GiB' (default: twice the GPUs' "
+                         "memory, at least 64 GiB: labkit.plan.capacity)")
+    pl.add_argument("--lever", action="append", default=[], metavar="NAME=VALUE",
+                    help="fix a lever instead of searching it, e.g. --lever rank=16 --lever targets=q+v (repeatable)")
+    pl.add_argument("--rows", type=int, default=10, help="rows of the table or of --json (default: %(default)s)")
+    pl.add_argument("--json", action="store_true", help="the question, the answer and the first --rows plans as JSON")
+    pl.add_argument("--verify", action="store_true", help="measure the top plan on fake tensors (labkit.plan.verify)")
+    pl.add_argument("--recipes", action="store_true",
+                    help="every published recipe of data/recipes.csv beside the planner's answer, then last round's "
+                         "three plans (no model, task or gpu needed)")
     args = parser.parse_args(argv)
     if args.command == "plan":
-        from .plan import plan
-        try:
-            plans = plan(args.model, args.task, args.gpu, gpus=args.gpus, seq=args.seq, batch=args.batch)
-        except ValueError as err:
-            parser.error(str(err))
-        print(plans.to_json() if args.json else plans.table(args.rows))
-        return 0
+        return plan_command(args, pl)
     if args.command == "doctor":
         return doctor(args.lock)
     if args.command == "workbook":
@@ -372,10 +380,13 @@ def main(argv=None):
             return workbook(cell_timeout=args.cell_timeout, notebooks=args.notebooks)
         except ValueError as err:
             parser.error(str(err))
-    if args.command == "student" and args.in_step:
-        written = student_in_step()
-        print(f"build/student: {len(written)} notebook(s) brought in step with notebooks/" if written
-              else "build/student is in step with notebooks/")
+    if args.command == "student":
+        written = student_in_step(dest=args.dest)
+        if not args.in_step:
+            for path in written:
+                print(f"student version: {path}")
+        print(f"{args.dest}: {len(written)} notebook(s) brought in step with notebooks/" if written
+              else f"{args.dest} is in step with notebooks/")
         return 0
     if args.command == "agenda":
         if args.write:
@@ -383,9 +394,17 @@ def main(argv=None):
         else:
             print(agenda(args.days, args.size))
         return 0
-    if args.command in ("student", "instructor"):
-        {"student": student, "instructor": instructor}[args.command]()
+    if args.command == "instructor":
+        instructor()
         return 0
+    return estimate_command(args, est)
+
+
+DEFAULT_SEQ = 2048
+
+
+def estimate_command(args, parser):
+    """`labkit estimate`: the estimate table, or one line naming what is wrong with the input."""
     from .estimate import estimate, load_config
     from .models import FAMILY_CONFIGS, PRESETS, config, family_config
     try:
@@ -395,15 +414,47 @@ def main(argv=None):
             cfg, where = family_config(args.model, args.size), args.size
         else:                                    # a user's own model: a config.json or a folder holding one
             cfg, where = load_config(pathlib.Path(args.model)), "config.json"
-        e = estimate(cfg, args.batch, args.seq, args.dtype, args.train, training=args.train is not None,
-                     recompute=args.recompute, kv_tokens=args.kv_tokens)
-    except (ValueError, FileNotFoundError) as err:
-        parser.error(str(err))
+        seq, note = args.seq, ""
+        limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        if seq is None:
+            seq = min(DEFAULT_SEQ, limit) if limit else DEFAULT_SEQ
+            if seq != DEFAULT_SEQ:
+                note = f" (--seq defaults to {DEFAULT_SEQ}; this model's max_position_embeddings is {limit})"
+        if limit and max(seq, args.kv_tokens or 0) > limit and not args.max_positions:
+            longest = max(seq, args.kv_tokens or 0)
+            raise ValueError(f"--seq {seq}{f' with --kv-tokens {args.kv_tokens}' if args.kv_tokens else ''} is "
+                             f"beyond this model's max_position_embeddings {limit}; pass --seq {limit} or less, or "
+                             f"--max-positions {longest} to estimate beyond it anyway")
+        e = estimate(cfg, args.batch, seq, args.dtype, args.train, training=args.train is not None,
+                     recompute=args.recompute, kv_tokens=args.kv_tokens, max_positions=args.max_positions)
+    except (ValueError, FileNotFoundError, TypeError) as err:
+        parser.error(" ".join(str(err).split()))
     mode = f"training with {args.train}" if args.train else "inference"
     print(f"{args.model} ({where}, {cfg.model_type}, {e.params / 1e6:,.1f}M params), batch {args.batch}, "
-          f"seq {args.seq}, {args.dtype}, {mode}")
+          f"seq {seq}{note}, {args.dtype}, {mode}")
     print(e.table())
     return 0
+
+
+def plan_command(args, parser):
+    """`labkit plan`: the ranked table (or JSON), the answer when nothing fits, or one line naming what is wrong."""
+    from .plan import parse_levers, plan, recipes_table
+    if args.rows < 1:
+        parser.error(f"--rows must be >= 1, got {args.rows}")
+    if args.recipes:
+        print(recipes_table())
+        return 0
+    missing = [f for f in ("model", "task", "gpu") if getattr(args, f) is None]
+    if missing:
+        parser.error(f"{', '.join(missing)} required (or --recipes)")
+    try:
+        levers = parse_levers(";".join(args.lever))
+        plans = plan(args.model, args.task, args.gpu, gpus=args.gpus, seq=args.seq, batch=args.batch,
+                     host_memory=args.host_mem, levers=levers, verify=args.verify)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        parser.error(" ".join(str(err).split()))
+    print(plans.to_json(args.rows) if args.json else plans.table(args.rows))
+    return 0 if plans.best else 1            # 1: nothing fits (the table says why)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+import sys
 
 __all__ = ["strip_solutions", "student", "instructor", "exercises", "agenda", "fill_agendas", "session_minutes", "SOLUTION", "HIDDEN"]
 
@@ -93,8 +94,11 @@ def instructor(folder=NOTEBOOKS, dest=BUILD / "course", quiet=False):
         shutil.copyfile(path, target)
         written.append(target)
     if not quiet:
+        # nbgrader as this Python has it (the venv's, which need not be on the PATH).
+        nbgrader = pathlib.Path(sys.executable).parent / "nbgrader"
         print(f"answer key and nbgrader source: {dest / 'source'} ({len(written)} assignments)")
-        print(f"then: cd {dest} && nbgrader generate_assignment 00_start_here   (and autograde, as usual)")
+        print(f"then: cd {dest} && {nbgrader if nbgrader.exists() else 'nbgrader'} generate_assignment 00_start_here"
+              "   (and autograde, as usual)")
     return written
 
 

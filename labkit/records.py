@@ -20,7 +20,8 @@ import torch
 from .data import DATA_DIR
 from .device import size
 
-__all__ = ["record", "RECORDS_DIR", "gpu_figures", "gpu_records", "unwritable", "show_gpu", "GPU_CHECKS", "GPU_DIR", "NOTEBOOKS"]
+__all__ = ["record", "RECORDS_DIR", "gpu_figures", "gpu_records", "unwritable", "show_gpu", "GPU_CHECKS", "GPU_RUNS",
+           "GPU_DIR", "NOTEBOOKS"]
 
 RECORDS_DIR = pathlib.Path(os.environ.get(
     "LABKIT_RECORDS", pathlib.Path(__file__).resolve().parent.parent / "build" / "records"))
@@ -44,10 +45,14 @@ GPU_CHECKS = {
 NOTEBOOKS = ("00_start_here", "01_memory_anatomy", "02_mixed_precision", "03_activation_checkpointing",
              "04_cpu_offload", "05_caching_allocator", "06_quantization_qlora", "07_kv_cache_paged_attention",
              "08_flash_attention", "09_tensor_and_pipeline_parallelism", "10_zero_and_fsdp",
-             "11_compile_and_engines", "12_profiling_and_kernels")
+             "11_compile_and_engines", "12_profiling_and_kernels", "13_capstone_fit_what_does_not_fit")
 GPU_CHECKS.update({nb: f"notebook {nb[:2]}'s largest full-size step (FULL_STEPS) on the GPU, capped at 24 GiB less "
                        f"its HEADROOM: whether it fits, peaks tracked, allocated and reserved against the estimate, "
                        f"its time" for nb in NOTEBOOKS})
+# `make test-gpu`'s records (labkit/scripts/gpu_run.py): each notebook run whole at full size, and tests/test_gpu.py.
+GPU_RUNS = {f"test-gpu:{nb}": f"make test-gpu: notebook {nb[:2]} at full size under nbval, its kernel fenced to a "
+                              f"24 GB card's memory: passed or not, minutes, peak reserved" for nb in NOTEBOOKS}
+GPU_RUNS["test-gpu:test_gpu"] = "make test-gpu: tests/test_gpu.py"
 _REQUIRED = ("gpu", "date", "check", "torch")
 
 
@@ -113,8 +118,8 @@ def record(notebook, **figures):
 def _known(check):
     if not isinstance(check, str):
         raise TypeError(f"check must be the name of a GPU check (a str), got {check!r}")
-    if check not in GPU_CHECKS:
-        raise ValueError(f"check must be one of {', '.join(GPU_CHECKS)}; got {check!r}")
+    if check not in GPU_CHECKS and check not in GPU_RUNS:
+        raise ValueError(f"check must be one of {', '.join(GPU_CHECKS)} or {', '.join(GPU_RUNS)}; got {check!r}")
     return check
 
 

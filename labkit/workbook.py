@@ -23,7 +23,7 @@ import time
 from .data import DATA_DIR
 from .units import fmt_figure
 
-__all__ = ["run", "page", "sections", "registry", "label", "machines", "published_gap", "executed_facts",
+__all__ = ["run", "page", "sections", "registry", "label", "machines", "gpu_runs", "published_gap", "executed_facts",
            "select", "CELL_TIMEOUT_S", "REGISTRY"]
 
 REGISTRY = DATA_DIR / "workbook.json"
@@ -114,7 +114,7 @@ def machines(records, gpu_records, reg):
             col["figures"][(stem, key)] = value
     for rec in sorted(gpu_records, key=lambda r: r["date"]):
         stem = reg["gpu_checks"].get(rec["check"], rec["check"])
-        if rec.get("status", "ok") != "ok":
+        if rec.get("status", "ok") != "ok" or rec["check"].startswith(_RUN):    # a whole run: gpu_runs() shows it
             continue
         day = rec["date"][:10]
         col = cols.setdefault((rec["gpu"], day), {"name": rec["gpu"], "size": "full", "date": day, "figures": {}})
@@ -122,6 +122,45 @@ def machines(records, gpu_records, reg):
             if key not in _GPU_SKIP and isinstance(value, (int, float, str)) and not isinstance(value, bool):
                 col["figures"][(stem, f"{rec['check']}.{key}" if rec["check"] != stem else key)] = value
     return list(cols.values())
+
+
+_RUN = "test-gpu:"
+
+
+def gpu_runs(gpu_records, folder):
+    """{notebook: [the latest `make test-gpu` run of it on each GPU]}: dicts with "gpu", "date", "status",
+    "seconds", "peak_reserved_bytes", "fence_bytes", "why" (a failed cell or a reason) and "current" (the
+    record is about the notebook as it is now, by its hash)."""
+    import hashlib
+    latest = {}
+    for rec in sorted(gpu_records, key=lambda r: r["date"]):
+        if rec["check"].startswith(_RUN):
+            latest[(rec["check"][len(_RUN):], rec["gpu"])] = rec
+    out = {}
+    for (stem, gpu), rec in sorted(latest.items()):
+        path = pathlib.Path(folder) / f"{stem}.ipynb"
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.exists() else None
+        out.setdefault(stem, []).append({
+            "gpu": gpu, "date": rec["date"][:10], "status": rec.get("status", "?"), "seconds": rec.get("seconds"),
+            "peak_reserved_bytes": rec.get("peak_reserved_bytes"), "fence_bytes": rec.get("fence_bytes"),
+            "why": rec.get("failed") or rec.get("error") or rec.get("reason") or "",
+            "current": sha is not None and rec.get("notebook_sha") == sha})
+    return out
+
+
+def _gpu_text(run):
+    """One notebook's run on one GPU, in words: "passed on NVIDIA H200 (2026-11-20, 1.4 min, peak 12.3 GiB of 22 GiB)"."""
+    verb = {"ok": "passed", "failed": "FAILED", "skipped": "cut short"}.get(run["status"], run["status"])
+    facts = [run["date"]]
+    if isinstance(run["seconds"], (int, float)):
+        facts.append(f"{run['seconds'] / 60:.1f} min")
+    if isinstance(run["peak_reserved_bytes"], int) and isinstance(run["fence_bytes"], int):
+        facts.append(f"peak {fmt_figure('x_bytes', run['peak_reserved_bytes'])} of "
+                     f"{fmt_figure('x_bytes', run['fence_bytes'])}")
+    if not run["current"]:
+        facts.append("an earlier version of this notebook")
+    why = f": {run['why'].splitlines()[0][:160]}" if run["why"] and run["status"] != "ok" else ""
+    return f"{verb} on {run['gpu']} ({', '.join(facts)}){why}"
 
 
 def _rows(stem, reg, cols):
@@ -163,8 +202,8 @@ def executed_facts(nb):
     return title, image, skipped
 
 
-def sections(status, folder, build, reg, cols):
-    """One dict per notebook in `status` ({stem: {"status", "seconds"}}), in order."""
+def sections(status, folder, build, reg, cols, runs=None):
+    """One dict per notebook in `status` ({stem: {"status", "seconds"}}), in order; `runs`: gpu_runs()."""
     import nbformat
     out = []
     for stem, st in sorted(status.items()):
@@ -176,7 +215,7 @@ def sections(status, folder, build, reg, cols):
         out.append({"stem": stem, "title": title or stem, "teaches": reg["notebooks"].get(stem, {}).get("teaches", ""),
                     "status": st["status"], "seconds": st.get("seconds"), "when": st.get("when", ""),
                     "image": image, "skipped": skipped, "html": f"{stem}.html" if executed.exists() else None,
-                    "rows": _rows(stem, reg, cols)})
+                    "rows": _rows(stem, reg, cols), "gpu": (runs or {}).get(stem, [])})
     return out
 
 
@@ -225,7 +264,12 @@ def _section_html(sec, cols):
              f"<th>gap to published</th></tr>{rows}</table>" if sec["rows"] else
              '<p class="muted">This notebook records no headline figures.</p>')
     teaches = f'<p class="muted">{e(sec["teaches"])}</p>' if sec["teaches"] else ""
-    return f"<section>{img}{head}{teaches}{status}{skipped}{table}</section>"
+    runs = sec.get("gpu", [])
+    gpu = ("<p>At full size: " + "; ".join(
+        f'<span class="{"ok" if r["status"] == "ok" and r["current"] else "muted" if r["status"] == "ok" else "failed"}">'
+        f'{e(_gpu_text(r))}</span>' for r in runs) + "</p>") if runs else \
+        '<p class="muted">At full size: not run on a GPU yet (<code>make test-gpu</code>).</p>'
+    return f"<section>{img}{head}{teaches}{status}{gpu}{skipped}{table}</section>"
 
 
 def page(secs, cols, machine):
@@ -236,13 +280,16 @@ def page(secs, cols, machine):
     seconds = sum(s["seconds"] or 0 for s in ran)
     skipped = "".join(f"<li>{e(s['stem'][:2])}: {e(msg)}</li>" for s in secs for msg in s["skipped"])
     kept = len(secs) - len(ran)
+    gpus = sorted({r["gpu"] for s in secs for r in s.get("gpu", [])})
+    full = "".join(f"<p>At full size on {e(g)}: <b>{sum(any(r['gpu'] == g and r['status'] == 'ok' and r['current'] for r in s.get('gpu', [])) for s in secs)}</b> of {len(secs)} notebooks passed (<code>make test-gpu</code>).</p>" for g in gpus) \
+        or "<p>No notebook has run at full size on a GPU yet (<code>make test-gpu</code>).</p>"
     summary = (f'<div class="summary"><p><b>{len(ran)}</b> notebook(s) run this time'
                f'{f" ({kept} more shown from earlier runs)" if kept else ""}, '
                f'<b class="{"failed" if failed else "ok"}">{len(failed)} failed</b>'
                f'{" (" + ", ".join(e(s["stem"]) for s in failed) + ")" if failed else ""}, '
                f'{seconds / 60:.1f} minutes in all, on {e(machine)}.</p>'
-               + (f"<p>Sections skipped on this machine:</p><ul>{skipped}</ul>" if skipped else
-                  "<p>No section was skipped.</p>") + "</div>")
+               + full + (f"<p>Sections skipped on this machine:</p><ul>{skipped}</ul>" if skipped else
+                         "<p>No section was skipped.</p>") + "</div>")
     return ("<!doctype html><html lang=en><meta charset=utf-8><meta name=viewport content='width=device-width'>"
             f"<title>GPU Memory Lab: the workbook</title><style>{_CSS}</style>"
             f"<h1>GPU Memory Lab: the workbook, executed</h1>{summary}"
@@ -358,8 +405,9 @@ def run(names=None, folder=None, build=None, cell_timeout=None, log=print):
     status = {stem: st for stem, st in status.items() if (folder / f"{stem}.ipynb").exists()}
     status_file.write_text(json.dumps(status, indent=1))
     records = {p.stem: json.loads(p.read_text()) for p in RECORDS_DIR.glob("*.json")}
-    cols = machines(records, gpu_records(GPU_DIR), reg)
-    secs = sections(status, folder, build, reg, cols)
+    on_gpus = gpu_records(GPU_DIR)
+    cols = machines(records, on_gpus, reg)
+    secs = sections(status, folder, build, reg, cols, gpu_runs(on_gpus, folder))
     (html_dir / "index.html").write_text(page(secs, cols, this_machine()), encoding="utf-8")
     log(f"open {html_dir / 'index.html'}  ({(time.time() - t_all) / 60:.1f} min)")
     return 0 if all(status[p.stem]["status"].startswith("ok") for p in paths) else 1

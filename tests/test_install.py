@@ -20,13 +20,18 @@ def test_wheel_installs_and_runs(tmp_path):
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(ROOT / name, src / name)
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", tmp_path / "dist", src],
-                   check=True, capture_output=True)
+    built = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", tmp_path / "dist",
+                            src], check=True, capture_output=True, text=True)
+    # setuptools warns (about 100 lines, in `make env` too) for each folder of data/ not named as a package.
+    assert "absent from the `packages` configuration" not in built.stdout + built.stderr, built.stderr[-3000:]
     wheel = next((tmp_path / "dist").glob("labkit-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
+    seeds = {f"labkit/_data/seeds/{p.name}" for p in (ROOT / "data" / "seeds").iterdir()}
+    configs = {f"labkit/_data/configs/{p.parent.name}/{p.name}" for p in (ROOT / "data" / "configs").glob("*/*.json")}
     assert {"labkit/scripts/tensor_parallel.py", "labkit/scripts/pipeline_parallel.py", "labkit/lock.txt",
             "labkit/_data/corpus.txt", "labkit/_data/tokenizer.json", "labkit/_data/gpu/README.md",
-            "labkit/_data/workbook.json"} <= names, sorted(names)
+            "labkit/_data/gpu/image.txt", "labkit/_data/workbook.json", *seeds, *configs} <= names, sorted(names)
+    assert seeds and configs
     packages = {p.relative_to(ROOT).as_posix() for p in (ROOT / "labkit").rglob("__init__.py")}
     assert packages <= names, f"pyproject.toml's packages lack {sorted(packages - names)}"
 
@@ -71,13 +76,29 @@ def test_make_lab_opens_the_student_build_and_the_answer_key_is_one_command_away
 
 
 def test_cpu_only_torch_is_one_variable_away():
-    """make env TORCH_INDEX=...: torch (only torch) from that index; the default is the registry alone."""
+    """make env TORCH_INDEX=...: torch alone from that index and no other (no fallback to the registry's CUDA
+    build), before anything else; its dependencies and the rest from the registry."""
     cpu = make_dry("-W", "pyproject.toml", "env", "TORCH_INDEX=https://download.pytorch.org/whl/cpu")
-    torch_line = next(l for l in cpu.splitlines() if l.rstrip().endswith("torch==2.13.0"))
-    assert "--index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple" in torch_line
-    assert "index-url" not in next(l for l in cpu.splitlines() if "-e '.[all]'" in l)
+    lines = [l for l in cpu.splitlines() if " -m pip install " in l]
+    assert "--no-deps --index-url https://download.pytorch.org/whl/cpu -c labkit/lock.txt torch==2.13.0" in lines[0]
+    assert "extra-index-url" not in cpu and all("index-url" not in l for l in lines[1:])
     default = make_dry("-W", "pyproject.toml", "env")
     assert "index-url" not in default
+
+
+def test_an_unreachable_torch_index_stops_make_env_and_says_so(tmp_path):
+    """Where TORCH_INDEX cannot be reached, make stops with a clear message and installs no torch at all:
+    it used to retry, then take the registry's 6 GB CUDA build quietly. Run as a learner's pip would be:
+    no machine-wide configuration, no local wheels."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "UV_"))}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    python = pathlib.Path(sys.base_prefix) / "bin" / "python3"
+    done = subprocess.run(["make", "env", f"VENV={tmp_path / 'venv'}", f"PY={python}",
+                           "TORCH_INDEX=http://127.0.0.1:9/simple"],            # port 9: nothing listens
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "torch could not be installed from TORCH_INDEX=http://127.0.0.1:9/simple" in done.stdout, done.stdout
+    assert not list((tmp_path / "venv").glob("lib/python*/site-packages/torch")), "a torch was installed anyway"
 
 
 def test_gpu_targets_run_an_uninstalled_labkit_with_any_python():
@@ -86,7 +107,10 @@ def test_gpu_targets_run_an_uninstalled_labkit_with_any_python():
     for target in ("test-gpu", "gpu-smoke"):
         dry = make_dry(target, "PYTHON=python3")
         assert f"PYTHONPATH={ROOT}" in dry and "pip install" not in dry, dry
-    assert "--nbval-current-env" in make_dry("test-gpu", "PYTHON=python3")
+    assert "-m labkit.scripts.gpu_run" in make_dry("test-gpu", "PYTHON=python3")
+    from labkit.scripts import gpu_run                                # each notebook's kernel: this Python
+    job = gpu_run.Job("00_start_here", ROOT / "notebooks" / "00_start_here.ipynb", 1.0)
+    assert "--nbval-current-env" in gpu_run.command(job, 300, "x.xml")
     assert "-m labkit.scripts.gpu_smoke" in make_dry("gpu-smoke")
 
 
@@ -113,7 +137,34 @@ def test_check_python_on_this_machine():
     if torch.cuda.is_available():
         assert done.returncode == 0, done.stdout
     else:
-        assert done.returncode == 2 and "needs a CUDA GPU" in done.stdout and "CPU-only build" in done.stdout, done.stdout
+        # The registry's Linux torch is a CUDA build: on a laptop without a GPU it says so, not "CPU-only".
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        assert done.returncode == 2 and "needs a CUDA GPU" in done.stdout and f"({build})" in done.stdout, done.stdout
     gpu_smoke = subprocess.run([sys.executable, ROOT / "labkit" / "scripts" / "check_python.py", "gpu-smoke"],
                                capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert gpu_smoke.returncode == 0, gpu_smoke.stdout               # gpu_smoke itself says "no CUDA" and exits 2
+
+
+def test_make_student_keeps_a_notebook_the_learner_worked_in(tmp_path, capsys):
+    """`make student` (labkit student) brings the build in step as `make lab` does: a notebook the learner
+    changed under build/student/ stays as it is (it used to be overwritten: work lost)."""
+    from labkit.cli import main
+    dest = tmp_path / "student"
+    assert main(["student", "--dest", str(dest)]) == 0
+    first = sorted(dest.glob("[0-9][0-9]_*.ipynb"))
+    assert first and f"student version: {first[0]}" in capsys.readouterr().out
+    mine = first[0].read_text().replace('"cells": [', '"cells": [{"cell_type": "markdown", "id": "mine", '
+                                        '"metadata": {}, "source": "my notes"}, ', 1)
+    first[0].write_text(mine)
+    assert main(["student", "--dest", str(dest)]) == 0
+    assert first[0].read_text() == mine and "is in step with notebooks/" in capsys.readouterr().out
+
+
+def test_make_instructor_names_nbgrader_where_this_python_has_it(tmp_path, capsys):
+    """The hint works without the venv on the PATH: it names the venv's own nbgrader."""
+    from labkit.course import instructor
+    instructor(dest=tmp_path / "course")
+    hint = capsys.readouterr().out.splitlines()[-1]
+    nbgrader = pathlib.Path(sys.executable).parent / "nbgrader"
+    assert f"cd {tmp_path / 'course'} && {nbgrader} generate_assignment 00_start_here" in hint, hint
+    assert nbgrader.exists()

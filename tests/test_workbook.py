@@ -68,6 +68,34 @@ def test_a_figure_no_machine_measured_says_so_and_no_raw_name_is_shown(tmp_path)
     assert not [n for n in names if re.search(rf"\b{re.escape(n)}\b", text)]
 
 
+def test_the_page_says_which_notebooks_a_gpu_has_passed_at_full_size(tmp_path):
+    """`make test-gpu`'s records: the latest run of each notebook on each GPU, passed or not, its minutes and
+    peak against the fence, and whether it ran the notebook as it is now (by its hash)."""
+    import hashlib
+    for stem in ("01_x", "02_y"):
+        nbformat.write(nbformat.v4.new_notebook(), tmp_path / f"{stem}.ipynb")
+    sha = hashlib.sha256((tmp_path / "01_x.ipynb").read_bytes()).hexdigest()[:12]
+    runs = [{"gpu": "NVIDIA H200", "date": "2026-12-03T10:00:00Z", "check": "test-gpu:01_x", "torch": "2.11",
+             "status": "failed", "seconds": 60, "failed": "Cell 4: AssertionError: the fence"},
+            {"gpu": "NVIDIA H200", "date": "2026-12-03T11:00:00Z", "check": "test-gpu:01_x", "torch": "2.11",
+             "status": "ok", "seconds": 84, "peak_reserved_bytes": 12 * 2**30, "fence_bytes": 22 * 2**30,
+             "notebook_sha": sha},
+            {"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-12-04T10:00:00Z", "check": "test-gpu:01_x", "torch": "2.11",
+             "status": "ok", "seconds": 90, "notebook_sha": "an-old-one"}]
+    found = wb.gpu_runs(GPU + runs, tmp_path)
+    assert [(r["gpu"], r["status"], r["current"]) for r in found["01_x"]] == [
+        ("NVIDIA H100 80GB HBM3", "ok", False), ("NVIDIA H200", "ok", True)]
+    cols = wb.machines(RECORDS, GPU + runs, REG)
+    assert all(not k[1].startswith("peak_reserved") for c in cols for k in c["figures"])   # no figure row of its own
+    status = {"01_x": {"status": "ok", "seconds": 12}, "02_y": {"status": "ok", "seconds": 3}}
+    html = wb.page(wb.sections(status, tmp_path, tmp_path, REG, cols, found), cols, "a test machine")
+    assert "passed on NVIDIA H200 (2026-12-03, 1.4 min, peak 12.00 GiB of 22.00 GiB)" in html
+    assert "passed on NVIDIA H100 80GB HBM3 (2026-12-04, 1.5 min, an earlier version of this notebook)" in html
+    assert "At full size on NVIDIA H200: <b>1</b> of 2 notebooks passed" in html
+    assert "At full size on NVIDIA H100 80GB HBM3: <b>0</b> of 2" in html
+    assert "At full size: not run on a GPU yet" in html                     # 02_y
+
+
 def test_gaps_to_published_figures():
     assert wb.published_gap(18, 16) == pytest.approx(0.125)
     assert wb.published_gap(0.7, [0.6, 0.8]) == 0.0

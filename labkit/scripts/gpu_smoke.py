@@ -1,6 +1,6 @@
-"""`make gpu-smoke`: the checks that matter most on a CUDA GPU, within 6 minutes, each one JSON line in data/gpu/.
+"""`make gpu-smoke`: the checks that matter most on a CUDA GPU, within 5 minutes, each one JSON line in data/gpu/.
 
-    python -m labkit.scripts.gpu_smoke [--budget 360] [--only flash,tf32] [--out data/gpu] [--list]
+    python -m labkit.scripts.gpu_smoke [--budget 300] [--started EPOCH] [--only flash,tf32] [--out data/gpu] [--list]
 
 Most valuable first (labkit.records.GPU_CHECKS lists them): tests/test_gpu.py (lk.track against the CUDA
 caching allocator), the allocator model against the real allocator (validate_allocator), the Triton
@@ -45,8 +45,10 @@ import threading
 import time
 import traceback
 
+STARTED = time.time()          # this script's start: the budget's origin unless --started names an earlier one
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-BUDGET_S = 360                 # the whole run: 6 minutes on one GPU
+BUDGET_S = 300                 # the whole command, counted from its start (make's --started): 5 minutes
+END_S = 10                     # of the budget, kept for the last kill, the summary and make's exit
 MIN_START_S = 8                # a check is not started with less than this left of the budget
 GRACE_S = 10                   # past its deadline, a check gets this long to return before it is killed
 MARK = "@@gpu-smoke "          # the worker's protocol lines on stdout: "start NAME" or "result {json}"
@@ -105,9 +107,10 @@ def write_record(folder, env, check, status, seconds, **fields):
     """Append one record (one line) to folder/<gpu>.jsonl; returns (path, the record).
 
     env: {"gpu": ..., "torch": ..., "cuda": ...} of this machine; fields: the figures, or error / reason."""
-    from labkit.records import GPU_CHECKS
-    if check not in GPU_CHECKS:
-        raise ValueError(f"check must be one of {', '.join(GPU_CHECKS)}; got {check!r}")
+    from labkit.records import GPU_CHECKS, GPU_RUNS
+    if check not in GPU_CHECKS and check not in GPU_RUNS:
+        raise ValueError(f"check must be one of {', '.join(GPU_CHECKS)} or make test-gpu's {', '.join(GPU_RUNS)}; "
+                         f"got {check!r}")
     if status not in ("ok", "failed", "skipped"):
         raise ValueError(f"status must be 'ok', 'failed' or 'skipped', got {status!r}")
     rec = {"gpu": env["gpu"], "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -181,17 +184,21 @@ def _reader(stream, lines):
 
 
 def run(names, env, folder, budget=BUDGET_S, registry="labkit.scripts.gpu_smoke:CHECKS", root=ROOT,
-        echo=print, grace=GRACE_S):
-    """Every check in `names` within `budget` seconds, each result written to folder/<gpu>.jsonl.
+        echo=print, grace=GRACE_S, started=None):
+    """Every check in `names` within `budget` seconds of `started` (time.time() of the command's start;
+    default now), each result written to folder/<gpu>.jsonl.
 
     Returns [(check, status, seconds, fields)] in order. A worker that dies or overruns a check's deadline
-    (its seconds, capped by the budget, plus `grace`) is killed: that check is recorded as failed with the
-    end of the worker's output, and a fresh worker carries on with the next."""
+    (its seconds plus `grace`) is killed: that check is recorded as failed with the end of the worker's
+    output, and a fresh worker carries on with the next. Nothing runs past `started + budget - END_S`:
+    the checks' own deadlines end `grace` seconds before that, and the last kill comes at it."""
     checks = _registry(registry)
     unknown = [n for n in names if n not in checks]
     if unknown:
         raise ValueError(f"names must be checks of {registry} ({', '.join(checks)}), got {unknown}")
-    until = time.monotonic() + budget
+    spent = 0.0 if started is None else max(0.0, time.time() - started)
+    end = time.monotonic() - spent + budget - min(END_S, budget / 4)     # nothing runs past this
+    until = end - min(grace, budget / 4)                                   # every check's own deadline
     todo, results = list(names), []
 
     def record(name, status, seconds, fields):
@@ -214,7 +221,7 @@ def run(names, env, folder, budget=BUDGET_S, registry="labkit.scripts.gpu_smoke:
         lines = queue.Queue()
         threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
         tail = collections.deque(maxlen=60)
-        current, started, deadline = None, time.monotonic(), until + grace
+        current, started, deadline = None, time.monotonic(), end
         while True:
             try:
                 line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
@@ -226,7 +233,7 @@ def run(names, env, folder, budget=BUDGET_S, registry="labkit.scripts.gpu_smoke:
                 name = current or todo[0]
                 if line == "TIMEOUT":
                     why = f"killed: still running {time.monotonic() - started:.0f} s after it started " \
-                          f"(its deadline: {checks[name].seconds} s, capped by the budget, + {grace} s)"
+                          f"(its deadline: {checks[name].seconds} s + {grace} s, capped by the budget)"
                 else:
                     why = f"the worker process died (exit {exit_status}) during this check"
                 record(name, "failed", time.monotonic() - started, {"error": why, "output": "".join(tail)[-4000:]})
@@ -234,13 +241,13 @@ def run(names, env, folder, budget=BUDGET_S, registry="labkit.scripts.gpu_smoke:
                 break
             if line.startswith(MARK + "start "):
                 current, started = line[len(MARK + "start "):].strip(), time.monotonic()
-                deadline = min(until, started + checks[current].seconds) + grace
+                deadline = min(end, started + checks[current].seconds + grace)
                 tail.clear()
             elif line.startswith(MARK + "result "):
                 res = json.loads(line[len(MARK + "result "):])
                 record(res["check"], res["status"], res["seconds"], res["fields"])
                 todo.remove(res["check"])
-                current, deadline = None, until + grace
+                current, deadline = None, end
                 if res["status"] == "failed" or not todo:
                     proc.wait()
                     break
@@ -458,14 +465,15 @@ def _fwd_and_fwd_bwd_time(fn, q, k, v, do):
 
 
 def _fp32_precision(value):
-    """Set cuBLAS's fp32 matmul precision ("ieee" or "tf32"); returns a function that restores it.
-    torch >= 2.9 has torch.backends.cuda.matmul.fp32_precision; older ones set_float32_matmul_precision."""
+    """Set fp32 matmuls to "ieee" (full fp32) or "tf32"; returns a function that restores the setting.
+
+    One API only: torch.set_float32_matmul_precision ("highest" / "high"), the one notebook 12 uses. Once
+    the newer torch.backends.cuda.matmul.fp32_precision has been set, reading the legacy setting (as
+    cuBLASLt's paths do: a linear with bias, a batched matmul) raises "mix of the legacy and new APIs";
+    set_float32_matmul_precision keeps both readable."""
     import torch
-    m = torch.backends.cuda.matmul
-    if hasattr(m, "fp32_precision"):
-        before = m.fp32_precision
-        m.fp32_precision = value
-        return lambda: setattr(m, "fp32_precision", before)
+    if value not in ("ieee", "tf32"):
+        raise ValueError(f"value must be 'ieee' or 'tf32', got {value!r}")
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest" if value == "ieee" else "high")
     return lambda: torch.set_float32_matmul_precision(before)
@@ -656,7 +664,8 @@ def full_steps(notebook):
     threads, env, cwd = torch.get_num_threads(), {"__name__": "__main__"}, os.getcwd()
     try:
         os.chdir(pathlib.Path(notebook).parent)              # where nbval runs the notebook
-        exec(compile(source, f"{notebook} [parameters]", "exec"), env)
+        with ipython_stand_in():
+            exec(compile(source, f"{notebook} [parameters]", "exec"), env)
     finally:
         os.chdir(cwd)
         torch.set_num_threads(threads)       # parameters cells set one thread: that is for their notebook
@@ -670,6 +679,41 @@ def full_steps(notebook):
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
         raise NoPlan(f"HEADROOM must be a fraction in [0, 1), got {headroom!r}")
     return steps, float(headroom)
+
+
+class ipython_stand_in:
+    """Within the block, `import IPython.display` works where IPython is not installed (the GPU image has
+    none): a parameters cell's `from IPython.display import display` gets a display() that prints. Where
+    IPython is installed, nothing changes. The stand-in modules are removed again on exit."""
+
+    def __enter__(self):
+        import types
+        self.added = []
+        if importlib.util.find_spec("IPython") is not None:
+            return self
+        ipython, display = types.ModuleType("IPython"), types.ModuleType("IPython.display")
+
+        def show(*objs, **kw):
+            for obj in objs:
+                print(obj)
+        display.display = show
+        def anything(name):
+            """Markdown(text), HTML(text), ...: the text itself, which display() then prints. Dunder names
+            stay missing, as on any module (inspect reads __file__ of every module in sys.modules)."""
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return lambda *args, **kw: args[0] if args else ""
+        display.__getattr__ = anything
+        ipython.display = display
+        for name, module in (("IPython", ipython), ("IPython.display", display)):
+            sys.modules[name] = module
+            self.added.append(name)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.added:
+            sys.modules.pop(name, None)
+        return False
 
 
 def parameters_source(notebook):
@@ -727,8 +771,9 @@ def run_step(kw, device="cuda"):
     finally:
         torch.set_default_dtype(old)
     model.train()
-    if kw.get("recompute"):
-        model.gradient_checkpointing_enable({"use_reentrant": False})
+    if kw.get("recompute"):          # transformers 5.24 renamed it (the old name warns); 5.17 has the old one only
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
     foreach = kw.get("foreach", False)
     make = {"sgd": lambda p: torch.optim.SGD(p, lr=1e-3), "sgd-momentum": lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9),
             "adam": lambda p: torch.optim.Adam(p, lr=1e-5, foreach=foreach),
@@ -782,12 +827,13 @@ class card:
         import torch
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, self.limit / total))
+        self.before = torch.cuda.get_per_process_memory_fraction()    # a fence around the run stays (1.0: none)
+        torch.cuda.set_per_process_memory_fraction(min(self.before, self.limit / total))
         return self
 
     def __exit__(self, *exc):
         import torch
-        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.set_per_process_memory_fraction(self.before)
         return False
 
 
@@ -848,7 +894,7 @@ def _notebook_checks():
 # name, function, seconds at most (its deadline), packages it needs: most valuable first.
 CHECKS = [
     Check("test_gpu", check_test_gpu, 75, ("pytest", "transformers")),
-    Check("allocator", check_allocator, 150, ("transformers",)),
+    Check("allocator", check_allocator, 120, ("transformers",)),
     Check("flash", check_flash, 60, ("triton",)),
     Check("tf32", check_tf32, 20, ()),
     Check("matmul", check_matmul, 40, ("triton",)),
@@ -869,7 +915,11 @@ def cuda_env():
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole run (default 360)")
+    p.add_argument("--budget", type=float, default=BUDGET_S,
+                   help=f"seconds for the whole command, from --started (default {BUDGET_S})")
+    p.add_argument("--started", type=float, default=None, metavar="EPOCH",
+                   help="when the command started (date +%%s; make gpu-smoke passes it): the budget counts from "
+                        "there (default: when this script started)")
     p.add_argument("--only", default="", help="comma-separated check names (default: all, in order)")
     p.add_argument("--out", default=None, help="folder of the records (default: labkit.records.GPU_DIR, data/gpu)")
     p.add_argument("--list", action="store_true", help="list the checks and exit")
@@ -907,9 +957,11 @@ def main(argv=None):
               f"{torch.version.cuda or 'none'}). Nothing was measured or written. On a CPU, `make test` "
               f"runs the tiny size.", file=sys.stderr)
         return 2
+    started = STARTED if args.started is None else args.started
     print(f"gpu-smoke on {env['gpu']} (torch {env['torch']}, CUDA {env['cuda']}): {len(names)} checks within "
-          f"{args.budget:.0f} s, records appended to {folder / gpu_file_name(env['gpu'])}", flush=True)
-    results = run(names, env, folder, budget=args.budget)
+          f"{args.budget:.0f} s of the command's start ({time.time() - started:.0f} s ago), records appended to "
+          f"{folder / gpu_file_name(env['gpu'])}", flush=True)
+    results = run(names, env, folder, budget=args.budget, started=started)
     text, status = summary(results)
     print(text, flush=True)
     return status

@@ -212,7 +212,8 @@ def run(engine, model="resnet-tiny", batch=1, image=64, repeat=5, arena=True, de
 
     An engine that cannot run here (see `available`) returns at once with `skipped` saying why.
     arena: ONNX Runtime's CPU memory arena on or off (other engines ignore it).
-    fp16: build the engine in half precision (TensorRT's `enabled_precisions`; GPU only).
+    fp16: the model's weights and input in half precision (`model.half()`), for the PyTorch engines and for
+    TensorRT, which builds a strongly typed engine: its layers run in the dtypes of the model's tensors.
     malloc_mmap_threshold: None (glibc's malloc as it is by default), or bytes: the process runs with
     `MALLOC_MMAP_THRESHOLD_` set to it, so every freed block above it leaves the process at once (and
     every allocation above it pays fresh page faults; see the module docstring).

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import re
 import sys
 import traceback
@@ -11,7 +12,8 @@ import weakref
 import torch
 
 from .device import has
-from .memory import _objects, _tensors, track
+from .memory import track
+from .memory.walk import frame_locals, objects, tensors
 from .units import fmt_bytes, parse_bytes
 
 __all__ = ["oom_guard", "budget", "free", "requires"]
@@ -31,7 +33,8 @@ def _is_oom(kind, exc):
 class oom_guard(contextlib.AbstractContextManager):
     """Catch an out-of-memory error in the block, free what its frames held, report, go on.
 
-    objs: the models, optimizers or tensors the block trains (held weakly). After an OOM in
+    objs: the models, optimizers or tensors the block trains, or lists and dicts of them (each held
+    weakly: `del model` after `oom_guard([model, opt])` frees the model). After an OOM in
     backward or `step()` some of their parameters hold partial `.grad`s that the next step would
     silently add to: the guard sets them to None (`.cleared` counts them). Without objs it cannot
     know them, and the message says so.
@@ -39,14 +42,15 @@ class oom_guard(contextlib.AbstractContextManager):
     After the block: `.oom` is True if it ran out of memory, `.message` says what happened. The
     same guard can be entered again; each block starts with `.oom` False.
     A name in the block's scope bound to a tensor with an autograd graph (`loss = model(...).loss` before
-    a backward that ran out) keeps everything forward saved alive: the guard cannot unbind it, so its
-    message (and `.graphs`) names it and says to `del` it.
+    a backward that ran out), or to a model output, list or dict holding one (`out = model(...)`), keeps
+    everything forward saved alive: the guard cannot unbind it, so its message (and `.graphs`) names it
+    and says to `del` it. (Reading those names leaves nothing behind: see `memory.walk.frame_locals`.)
     objs may be iterators (`model.parameters()`): they are read once, here.
     """
 
     def __init__(self, *objs, quiet=False):
         self.quiet, self.oom, self.message, self.cleared, self.graphs = quiet, False, None, 0, []
-        self._objs = [_weak(o) for o in _objects(objs, "oom_guard")]
+        self._objs = [ref for o in objects(objs, "oom_guard") for ref in _weak_refs(o)]
 
     def __enter__(self):
         self.oom, self.message, self.cleared, self.graphs = False, None, 0, []
@@ -88,10 +92,12 @@ class oom_guard(contextlib.AbstractContextManager):
                     if in_training else "")
         for ref in self._objs:
             obj = ref()
+            if obj is None:                   # deleted since: nothing of it to clear
+                continue
             if isinstance(obj, torch.optim.Optimizer):
                 params = [p for g in obj.param_groups for p in g["params"]]
             else:
-                params = [t for t in _tensors(obj) if isinstance(t, torch.Tensor)]
+                params = [t for t in tensors(obj) if isinstance(t, torch.Tensor)]
             for p in params:
                 if p.grad is not None:
                     p.grad = None
@@ -100,17 +106,34 @@ class oom_guard(contextlib.AbstractContextManager):
 
 
 def _graphs_held(frame):
-    """Names in the frame running the with-block bound to a tensor that still has an autograd graph."""
-    scope = frame.f_locals
-    return sorted(n for n, v in list(scope.items())
-                  if isinstance(v, torch.Tensor) and v.grad_fn is not None and not n.startswith("_"))
+    """Names in the frame running the with-block bound to something that keeps an autograd graph alive.
+    IPython's `In`/`Out` history and private names are left out."""
+    return sorted(n for n, v in frame_locals(frame).items()
+                  if not n.startswith("_") and n not in ("In", "Out") and _holds_graph(v))
 
 
-def _weak(obj):
+def _holds_graph(value, depth=2):
+    """A tensor with a grad_fn, or a list, tuple or dict (a transformers ModelOutput) holding one, two levels
+    deep at most and among its first 64 items (a notebook's globals hold long lists of numbers)."""
+    if isinstance(value, torch.Tensor):
+        return value.grad_fn is not None
+    if depth and isinstance(value, (list, tuple, dict)):
+        items = value.values() if isinstance(value, dict) else value
+        return any(_holds_graph(v, depth - 1) for v in itertools.islice(items, 64))
+    return False
+
+
+def _weak_refs(obj):
+    """Weak references to `obj`, or to each model, optimizer or tensor a list, tuple or dict of them holds:
+    a reference to the container would keep its contents alive."""
+    if isinstance(obj, (list, tuple, set)):
+        return [ref for item in obj for ref in _weak_refs(item)]
+    if isinstance(obj, dict):
+        return [ref for item in obj.values() for ref in _weak_refs(item)]
     try:
-        return weakref.ref(obj)
-    except TypeError:                     # a list or dict of tensors: kept as given
-        return lambda: obj
+        return [weakref.ref(obj)]
+    except TypeError:                     # a number or a string inside a container: nothing to clear
+        return []
 
 
 @contextlib.contextmanager
@@ -133,12 +156,13 @@ def budget(size, *objs):
         # The fraction is checked only when the allocator reserves a new segment: blocks it already
         # caches would be handed out past the budget, so return them first.
         torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total))
+        before = torch.cuda.get_per_process_memory_fraction()     # a fence around the notebook (make test-gpu) stays
+        torch.cuda.set_per_process_memory_fraction(min(before, limit / total))
         try:
             with track(*objs) as mem:
                 yield mem
         finally:
-            torch.cuda.set_per_process_memory_fraction(1.0)
+            torch.cuda.set_per_process_memory_fraction(before)
     else:
         with track(*objs, budget=limit) as mem:
             yield mem

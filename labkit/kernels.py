@@ -28,6 +28,7 @@ it multiplies fp32 exactly whatever `input_precision` says.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 
@@ -225,8 +226,38 @@ def _jitted():
     import triton
     import triton.language
     tl = triton.language
+    if not torch.cuda.is_available():
+        _squeeze_interpreter_scalars()
     _JITTED.update(triton=triton, matmul=triton.jit(matmul_kernel), cross_entropy=triton.jit(cross_entropy_kernel))
     return triton, _JITTED
+
+
+def _squeeze_interpreter_scalars():
+    """Let Triton's interpreter before 3.7 read a scalar argument as a loop bound (`range(tl.cdiv(K, BLOCK_K))`)
+    under NumPy 2.4 and later. It holds each scalar as an array of shape (1,) and reads it with `int(array)`,
+    which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars";
+    triton-lang/triton#9171, fixed in 3.7 by squeezing the array first). The same fix, for an older interpreter:
+    True if applied, False where nothing needed it."""
+    import numpy as np
+    from triton.runtime import interpreter
+    try:
+        int(np.array([1]))
+        return False                                  # this NumPy still converts shape-(1,) arrays
+    except TypeError:
+        pass
+    patch = getattr(interpreter, "_patch_lang_tensor", None)   # sets tl.tensor's methods for each launch
+    if patch is None or list(inspect.signature(patch).parameters) != ["tensor", "scope"]:
+        return False
+    if "data.squeeze()" in inspect.getsource(patch) or getattr(patch, "squeezes", False):
+        return False                                  # Triton 3.7 or later, or applied already
+
+    def squeezing(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    squeezing.squeezes = True
+    interpreter._patch_lang_tensor = squeezing
+    return True
 
 
 def interpreted():

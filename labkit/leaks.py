@@ -6,7 +6,8 @@ tensor storage with the line of your code that made it, and a saved-tensors hook
 saves for backward. After each step it counts what the step left alive, then runs `gc.collect()`
 (automatic collection is paused meanwhile) and counts again: bytes that only the collector freed were
 held by reference cycles. At the end, each group of survivors (by the line that made it) is traced back to
-what holds it: a chain of `gc.get_referrers` up to a global name or a closure; survivors that no Python
+what holds it: a chain of `gc.get_referrers` up to a global name or a local variable of a running function
+(the one that called `find`, say); survivors that no Python
 object holds but autograd saved are reported as kept alive by an autograd graph, with the tensor whose
 graph it is.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import os
 import sys
 import types
@@ -37,6 +39,7 @@ from operator import attrgetter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .memory.walk import frame_locals
 from .units import fmt_bytes
 
 __all__ = ["find", "LeakReport", "Survivor", "holders"]
@@ -275,13 +278,39 @@ def _globals_names():
     return out
 
 
-def holders(obj, max_depth=6):
-    """A readable chain from a root (a global name) down to `obj`, found with `gc.get_referrers`; None if none.
+def _stack_locals():
+    """id(value) -> "local 'name' in function", for the variables of the functions running now (outside torch,
+    labkit and installed packages), innermost first. A running frame is no referrer that gc reports (its
+    variables live in the interpreter's frame, not in an object gc walks), so they are looked up here."""
+    out = {}
+    f = sys._getframe(1)
+    while f is not None:
+        function = f.f_code.co_flags & inspect.CO_OPTIMIZED      # a module's variables are globals: roots above
+        if function and not any(s in f.f_code.co_filename for s in _SKIP):
+            for name, value in frame_locals(f).items():
+                out.setdefault(id(value), f"local {name!r} in {f.f_code.co_name}")
+        f = f.f_back
+    return out
 
-    e.g. "global 'outputs' in __main__ -> list[4] -> Tensor(2, 8)", or through a closure:
+
+def _chain(objs, parents, i):
+    """The descriptions of objs[i] and its children down to the object searched for."""
+    chain = []
+    while i != -1:
+        chain.append(_describe(objs[i]))
+        i = parents[i]
+    return chain
+
+
+def holders(obj, max_depth=6):
+    """A readable chain from a root (a global name, or a local variable of a running function) down to `obj`,
+    found with `gc.get_referrers`; None if none.
+
+    e.g. "global 'outputs' in __main__ -> list[4] -> Tensor(2, 8)", "local 'kept' in train -> list[4] ->
+    Tensor(2, 8)", or through a closure:
     "global 'callbacks' in __main__ -> list[4] -> function <lambda> -> tuple[1] -> closure cell -> Tensor(...)".
     """
-    roots = _globals_names()
+    roots, local = _globals_names(), _stack_locals()
     objs, parents = [obj], [-1]            # breadth-first search upwards, with parent links
     seen = {id(obj)}
     ignore = {id(objs), id(parents), id(seen)}
@@ -289,6 +318,8 @@ def holders(obj, max_depth=6):
     for _ in range(max_depth):
         nxt = []
         for i in level:
+            if id(objs[i]) in local:
+                return " -> ".join([local[id(objs[i])]] + _chain(objs, parents, i))
             refs = gc.get_referrers(objs[i])
             for r in refs:
                 if id(r) in seen or id(r) in ignore or isinstance(r, types.FrameType) or r is refs:
@@ -296,11 +327,7 @@ def holders(obj, max_depth=6):
                 seen.add(id(r))
                 if isinstance(r, dict) and id(r) in roots:
                     name = next((k for k, v in r.items() if v is objs[i]), "?")
-                    chain, j = [], i
-                    while j != -1:
-                        chain.append(_describe(objs[j]))
-                        j = parents[j]
-                    return " -> ".join([f"global {name!r} in {roots[id(r)]}"] + chain)
+                    return " -> ".join([f"global {name!r} in {roots[id(r)]}"] + _chain(objs, parents, i))
                 objs.append(r)
                 parents.append(i)
                 nxt.append(len(objs) - 1)

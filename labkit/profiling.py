@@ -19,12 +19,15 @@ INPUT, TEMPORARY, AUTOGRAD_DETAIL and uncategorised memory count as "other".
 
 The profiler's own notes on file descriptor 2 (kineto's "STAGE:"/"USDT:" lines, and on a CUDA build of torch
 without a GPU its one-time "gpuGetDeviceCount failed") are dropped while it runs (`without_profiler_notes`),
-so a notebook cell stays free of stderr. CUDA activities are asked for only where a GPU is available.
+so a notebook cell stays free of stderr, and so is torch 2.11's warning that a profile "clears events at the end
+of each cycle" (a note for a profile object started twice, which it also gives at the first start). CUDA
+activities are asked for only where a GPU is available.
 """
 from __future__ import annotations
 
 import collections
 import pathlib
+import warnings
 
 import numpy as np
 import torch
@@ -42,6 +45,8 @@ PROFILER_CATEGORIES = {"PARAMETER": "parameters", "GRADIENT": "gradients", "OPTI
 # GPU (aten::item on a CPU tensor, e.g. AdamW's step counter, waits for nothing; on a CPU nothing waits).
 SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize",
             "cudaDeviceSynchronize", "cudaEventSynchronize")
+# torch.profiler's note when a profile object starts a second cycle; torch 2.11 prints it at the first start too
+CLEARS_EVENTS = "Warning: Profiler clears events at the end of each cycle"
 _LIBRARY = ("nn.Module:", "torch/", "transformers/", "triton/", "accelerate/", "peft/", "labkit/", "<built-in")
 _BY = {"time": "self_time_s", "memory": "self_bytes", "count": "calls"}
 
@@ -60,11 +65,16 @@ def run(fn, *, steps=1, trace=None, memory=True, shapes=True, stack=True):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=activities, profile_memory=memory, record_shapes=shapes, with_stack=stack)
     with without_profiler_notes():
-        with prof:
+        with warnings.catch_warnings():        # torch 2.11 warns at any first start, not only at a reuse
+            warnings.filterwarnings("ignore", message=CLEARS_EVENTS)
+            prof.__enter__()
+        try:
             for _ in range(steps):
                 fn()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+        finally:
+            prof.__exit__(None, None, None)
     path = None
     if trace is not None:
         path = pathlib.Path(trace)

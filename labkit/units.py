@@ -4,11 +4,12 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from fractions import Fraction
 
 __all__ = ["parse_bytes", "fmt_bytes", "fmt_figure", "GiB", "MiB", "KiB"]
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
-_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
 
 
@@ -17,7 +18,8 @@ def parse_bytes(value, name="size"):
 
     Units: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024), any case except a
     lowercase b after a capital prefix ("Gb", "MiB" is fine, "Mib"): that is bits, and is refused.
-    The result must be a whole number of bytes, at least 1 (`1.5` is refused, "1.5 KiB" is 1536).
+    The result must be a whole number of bytes, at least 1 (`1.5` and "2.5 B" are refused, "1.5 KiB" is
+    1536). A string is read exactly (as a Fraction): "1.1 KB" is 1100, where 1.1 * 1000 in floats is not.
     """
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number of bytes or a string like '2 GiB', got {value!r}")
@@ -31,7 +33,9 @@ def parse_bytes(value, name="size"):
         if unit.endswith("b") and unit != unit.lower():
             raise ValueError(f"{name} {value!r} is in bits ('{unit}'); memory is counted in bytes: "
                              f"write '{unit[0].upper()}B' (powers of 1000) or '{unit[0].upper()}iB' (powers of 1024)")
-        n = float(m.group(1)) * _UNITS[unit.lower()]
+        if not math.isfinite(float(m.group(1)) * _UNITS[unit.lower()]):   # "1e400 GB"
+            raise ValueError(f"{name} must be a finite number of bytes, got {value!r}")
+        n = Fraction(m.group(1)) * _UNITS[unit.lower()]
     else:
         raise TypeError(f"{name} must be a number of bytes or a string like '2 GiB', got {value!r}")
     if not math.isfinite(n):
@@ -40,8 +44,10 @@ def parse_bytes(value, name="size"):
         raise ValueError(f"{name} must be positive, got {value!r}")
     if not isinstance(value, str) and n != int(n):
         raise ValueError(f"{name} must be a whole number of bytes, got {value!r} (write e.g. '1.5 GiB' for a unit)")
-    if int(n) < 1:
+    if n < 1:
         raise ValueError(f"{name} must be at least 1 byte, got {value!r}")
+    if n != int(n):                                    # "2.5 B": not truncated to 2
+        raise ValueError(f"{name} must be a whole number of bytes, got {value!r}")
     return int(n)
 
 

@@ -88,6 +88,16 @@ def unshard(shards, shape):
 
 
 # ---- collectives, counted ----------------------------------------------------------------------------
+# torch 2.13 names the one-tensor collectives all_gather_single / reduce_scatter_single (and warns on the old
+# names); torch 2.11, the GPU image's, has only all_gather_into_tensor / reduce_scatter_tensor.
+def _reduce_scatter_single(out, flat):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, flat)
+
+
+def _all_gather_single(out, local):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, local)
+
+
 def all_reduce(t):
     """Sum of `t` over ranks, in place (counted in COMM)."""
     _count("all_reduce", t.nbytes)
@@ -103,7 +113,7 @@ def reduce_scatter(full, world):
         flat = torch.cat([flat, flat.new_zeros(s * world - flat.numel())])
     out = flat.new_empty(s)
     _count("reduce_scatter", flat.nbytes)
-    dist.reduce_scatter_single(out, flat)
+    _reduce_scatter_single(out, flat)
     return out
 
 
@@ -111,7 +121,7 @@ def all_gather(local, world, kind="all_gather"):
     """The ranks' shards side by side: a (world * S,) tensor, padding included."""
     out = local.new_empty(local.numel() * world)
     _count(kind, out.nbytes)
-    dist.all_gather_single(out, local)
+    _all_gather_single(out, local)
     return out
 
 

@@ -198,3 +198,24 @@ def test_plan_recipes_prints_the_closing_table(capsys):
     assert main(["plan", "--recipes"]) == 0
     out = capsys.readouterr().out
     assert "fit agreement" in out and "last round's three plans" in out and "tt-8b-full-4090" in out
+
+
+def test_a_config_naming_flash_attention_is_estimated_and_planned_without_the_package(tmp_path, capsys):
+    """flash-attn is not installed here: the config's kernel is priced as SDPA's flash kernel, never imported."""
+    path = _config_file(tmp_path)
+    data = json.loads(open(path).read())
+    data["_attn_implementation"] = "flash_attention_2"
+    open(path, "w").write(json.dumps(data))
+    assert main(["estimate", path, "--seq", "512", "--train", "adamw"]) == 0
+    assert "priced as SDPA's flash kernel" in capsys.readouterr().out
+    assert main(["plan", path, "--task", "lora", "--gpu", "L4", "--seq", "512", "--rows", "1"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_plan_json_carries_the_verification(capsys):
+    assert main(["plan", "llama-2-7b", "--task", "finetune", "--gpu", "L4", "--seq", "256", "--batch", "2",
+                 "--json", "--rows", "1", "--verify"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    v = data["verification"]
+    assert len(data["plans"]) == 1 and v["techniques"] == data["plans"][0]["techniques"]
+    assert v["measured_peak"] > 0 and abs(v["gap"]) < 0.05

@@ -23,7 +23,7 @@ def test_token_ids_that_are_not_ids_are_refused_and_nothing_changes(tokens, says
 def test_integer_ids_from_numpy_and_torch_are_ids():
     tables = serving_tables(PrefixCachingAllocator(8, 4), prefix_caching=True)
     assert tables.add("a", np.arange(8)) == 0
-    assert tables.add("b", torch.arange(8)) == 8          # the same two full blocks, found in the cache
+    assert tables.add("b", torch.arange(9)) == 8          # the same two full blocks, found in the cache
     with pytest.raises(TypeError, match=r"tokens\[0\] must be an int token id, got tensor\(0.5000\)"):
         tables.add("c", torch.tensor([0.5]))
 

@@ -69,6 +69,30 @@ def test_tensorrt_needs_both_packages(monkeypatch):
     assert engines.available("tensorrt", "cuda") == (True, "")
 
 
+def test_tensorrt_gets_an_fp16_model_not_a_precision_flag(monkeypatch, tmp_path):
+    """Torch-TensorRT 2.10 and later build strongly typed engines: an fp16 engine comes from an fp16 model
+    (2.10-2.12 raise on enabled_precisions={torch.half} beside an fp32 model, 2.13 ignores it and builds fp32).
+    Stood in for on a CPU: a torch_tensorrt module that records what compile() was given."""
+    import sys
+    import types
+    given = {}
+
+    def compile(model, **kwargs):
+        given.update(model_dtype=next(model.parameters()).dtype, **kwargs)
+        return model
+
+    for version, wants_flag in (("2.11.0+cu130", False), ("2.13.0", False), ("2.9.0", True)):
+        given.clear()
+        fake = types.SimpleNamespace(__version__=version, compile=compile, save=lambda *a, **k: None)
+        monkeypatch.setitem(sys.modules, "torch_tensorrt", fake)
+        args = types.SimpleNamespace(model="resnet-tiny", batch=1, image=32, device="cpu", fp16=1, tag="trt")
+        pixels = engines.example_input(1, 32).numpy()
+        _, x, _ = engine_run.prepare("tensorrt", pixels, args, tmp_path)
+        assert given["model_dtype"] == torch.float16 and x.dtype == torch.float16 and given["inputs"][0] is x
+        assert ("enabled_precisions" in given) == wants_flag, (version, given)
+    assert engine_run.tensorrt_precision("2.13.0", fp16=False) == {}
+
+
 def test_onnxruntime_and_eager_agree_and_tensorrt_is_skipped(tmp_path):
     # 192x192: the arena keeps about 3.4 MiB against 0.45 MiB without it, well clear of the ~1 MiB RSS noise
     # that made 128x128 (1.4 vs 0.5-1.1 MiB) fail once in a fresh clone

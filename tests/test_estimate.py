@@ -137,6 +137,9 @@ def test_selective_recompute_drops_only_the_scores():
     (dict(training=False, seq=4000, kv_tokens=4200), "kv_tokens must be <= max_position_embeddings 4096"),
     (dict(logits_to_keep=-1), "logits_to_keep must be an int >= 0, got -1"),
     (dict(method="guess"), "method must be 'auto', 'formula' or 'fake', got 'guess'"),
+    (dict(max_positions=-1), "max_positions must be a positive int, got -1"),
+    (dict(max_positions=0), "max_positions must be a positive int, got 0"),
+    (dict(max_positions="long"), "max_positions must be an int >= 1, got 'long'"),
 ])
 def test_bad_input(kwargs, message):
     with pytest.raises(ValueError, match=message):

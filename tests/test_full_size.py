@@ -46,24 +46,19 @@ except NoPlan as e:
 except BaseException:
     done(error="its parameters cell raised at LABKIT_SIZE=full:\n" + traceback.format_exc(limit=-3))
 import labkit as lk
+from labkit.estimate import full_step
 out = {}
 for name, kw in steps.items():
     try:
-        if not isinstance(kw, dict):
-            raise TypeError(f"the entry must be a dict of lk.estimate keywords or dict(bytes=...), got {kw!r}")
-        kw = dict(kw)
-        beside = kw.pop("beside", {})
-        if not isinstance(beside, dict):
-            raise TypeError(f"beside must be a dict of what stays alive -> bytes, got {beside!r}")
-        extra = sum(lk.parse_bytes(v, f"beside[{k!r}]") for k, v in beside.items())
-        if "bytes" in kw:
-            if set(kw) != {"bytes"}:
-                raise ValueError(f"an entry with bytes holds nothing else but beside, got keys {sorted(kw)}")
-            out[str(name)] = dict(bytes=lk.parse_bytes(kw["bytes"], "bytes") + extra, how="given")
+        step = full_step(kw)                       # the entry read as gpu-smoke reads it
+        extra = sum(step["beside"].values())
+        if step["bytes"] is not None:
+            out[str(name)] = dict(bytes=step["bytes"] + extra, how="given")
         else:
-            out[str(name)] = dict(bytes=int(lk.estimate(**{**kw, "device": "cuda"}).total) + extra, how="estimated")
-        if beside:
-            out[str(name)]["how"] += " + " + ", ".join(map(str, beside))
+            out[str(name)] = dict(bytes=int(lk.estimate(**{**step["estimate"], "device": "cuda"}).total) + extra,
+                                  how="estimated")
+        if step["beside"]:
+            out[str(name)]["how"] += " + " + ", ".join(step["beside"])
     except Exception as e:
         out[str(name)] = dict(error=f"{type(e).__name__}: {e}")
 done(steps=out, headroom=headroom)
@@ -275,14 +270,15 @@ get_ipython().events.register("post_run_cell", _post)
 _DECLARED = r'''
 import json as _json
 import labkit as _lk
+from labkit.estimate import full_step as _full_step
 _declared = {}
 for _name, _kw in FULL_STEPS.items():
-    _kw = dict(_kw)
-    _extra = sum(_lk.parse_bytes(v, "beside") for v in _kw.pop("beside", {}).values())
-    if "bytes" in _kw:
-        _declared[_name] = [_lk.parse_bytes(_kw["bytes"], "bytes") + _extra] * 2
+    _step = _full_step(_kw)
+    _extra = sum(_step["beside"].values())
+    if _step["bytes"] is not None:
+        _declared[_name] = [_step["bytes"] + _extra] * 2
     else:
-        _e = _lk.estimate(**{**_kw, "device": "cpu"})
+        _e = _lk.estimate(**{**_step["estimate"], "device": "cpu"})
         _states = sum(_e.peak_parts[c] for c in ("parameters", "gradients", "optimizer", "kv_cache"))
         _declared[_name] = [_e.total + _extra, _states + _extra]
 '''
@@ -373,3 +369,29 @@ def test_the_cell_check_finds_a_second_model_kept_beside_a_step(tmp_path):
     assert results[0] and all("code cell 1 ('def step(m):')" in m for m in results[0]), results[0]
     assert any("as a forward begins" in m for m in results[0]), results[0]
     assert results[1] == [], results[1]
+
+
+# ---- the helper gpu-smoke shares ----------------------------------------------------------------------
+def test_full_step_reads_an_entry_as_estimate_and_gpu_smoke_need_it():
+    """labkit.estimate.full_step: lk.estimate's keywords, what stays beside, the levers a plain loop does not run,
+    and the levers labkit.plan.verify.measure runs on a GPU; bad entries named before any work."""
+    from labkit.estimate import full_step
+    import labkit as lk
+    cfg = lk.models.config("llama-2-7b", "tiny")
+    step = full_step(dict(config=cfg, batch=4, seq=256, dtype="bf16", optimizer="paged-adamw-8bit", recompute=True,
+                          fused_step=True, chunked_ce=True, attention="sdpa", zero=0, offload=None, accumulate=False,
+                          beside={"the token ids": 8192, "a copy": "1 MiB"}))
+    assert step["beside"] == {"the token ids": 8192, "a copy": 2**20} and step["bytes"] is None
+    assert step["levers"] == {"fused_step": True, "chunked_ce": True}
+    assert step["verify"] == dict(dtype="bf16", optimizer="paged-adamw-8bit", fused_step=True, recompute=True,
+                                  chunked_ce=True, attention="sdpa", activation_offload=False, zero=0, offload=None,
+                                  micro_batch=4, grad_accum=1)
+    assert lk.estimate(**step["estimate"]).total > 0
+    plain = full_step(dict(config=cfg, batch=2, seq=64, dtype="fp16", optimizer="sgd"))
+    assert plain["levers"] == {} and plain["verify"] is None           # fp16 and SGD: not verify's levers
+    assert full_step(dict(bytes="2 GiB"))["bytes"] == 2 * 2**30
+    for bad, error in ((dict(config=cfg, batchh=2), "batchh"), (dict(bytes=1, batch=2), "nothing else"),
+                       (dict(config=cfg, beside=[1]), "beside must be a dict"), (3, "must be a dict"),
+                       (dict(batch=2), "config is missing"), (dict(config=cfg, beside={"x": "lots"}), "beside")):
+        with pytest.raises((TypeError, ValueError), match=error):
+            full_step(bad)

@@ -288,6 +288,32 @@ def test_importing_kernels_imports_no_triton():
 
 
 @needs_triton
+@needs_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs where there is no GPU")
+def test_an_older_interpreter_reads_loop_bounds_under_a_newer_numpy(monkeypatch):
+    """Triton 3.6 (the GPU image's) reads a scalar kernel argument with int() of a shape-(1,) array, which NumPy
+    2.4 and later refuse: every loop over K failed in the interpreter. Stood in for here by that line of 3.6."""
+    import numpy as np
+    from triton.runtime import interpreter
+    kernels.interpreted()                                 # triton imported, its kernels jitted
+    current = interpreter._patch_lang_tensor
+
+    def triton_3_6(tensor, scope):
+        current(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", triton_3_6)
+    a, b = torch.randn(40, 50), torch.randn(50, 24)
+    try:
+        int(np.array([1]))
+    except TypeError:                                     # this NumPy refuses: the failure first
+        with pytest.raises(Exception, match="0-dimensional"):
+            kernels.matmul(a, b)
+        assert kernels._squeeze_interpreter_scalars() is True
+        assert kernels._squeeze_interpreter_scalars() is False            # once
+    torch.testing.assert_close(kernels.matmul(a, b), a @ b, rtol=1e-4, atol=1e-4)
+
+
 def test_interpreted_exactly_when_there_is_no_gpu():
     assert kernels.interpreted() is (not torch.cuda.is_available())
 

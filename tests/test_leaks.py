@@ -133,3 +133,19 @@ def test_bad_input():
         leaks.find(3)
     with pytest.raises(ValueError, match="steps must be an int >= 2"):
         leaks.find(correct_step, steps=1)
+
+
+def test_a_leak_kept_in_a_local_list_is_named_by_the_list():
+    """A list local to the function that runs the check (the step appends to it through a closure): no global
+    holds it, and the frame that does was invisible to gc.get_referrers, so the holder read "unknown"."""
+    model, x = torch.nn.Linear(64, 64), torch.randn(8, 64)
+    kept = []
+
+    def step():
+        with torch.no_grad():
+            kept.append(model(x))
+
+    report = leaks.find(step, steps=3)
+    holder = report.survivors[0].holder
+    assert holder.startswith("local 'kept' in test_a_leak_kept_in_a_local_list_is_named_by_the_list"), holder
+    assert holder.endswith("list[4] -> Tensor(8, 64)"), holder

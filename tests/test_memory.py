@@ -214,6 +214,23 @@ def test_compiled_code_under_the_dispatch_tracker_is_refused():
             f(x)
 
 
+def test_compiled_code_inside_nested_trackers_is_refused_by_each():
+    """Each tracker listened for Dynamo's note with its own log filter, and the outer one's swallowed the note
+    before the inner one heard it: only the outer tracker refused."""
+    @torch.compile(backend="eager")                      # its own code object: Dynamo skips a code once
+    def triple_cos(x):
+        return (x * 3).cos()
+
+    x = torch.randn(1024)
+    with pytest.raises(RuntimeError, match=r"so triple_cos ran eagerly"):
+        with lk.track():
+            with pytest.raises(RuntimeError, match=r"so triple_cos ran eagerly"):
+                with lk.track():
+                    triple_cos(x)
+    with lk.track():                                     # the listener is gone with the trackers
+        pass
+
+
 def test_profiler_backend_equals_dispatch_backend_in_eager(tiny_llama):
     model, opt, step = tiny_llama
     with lk.track(model, opt) as ref:

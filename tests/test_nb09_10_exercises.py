@@ -120,3 +120,22 @@ def test_exercise_4_refuses_gpipes_order_a_long_warm_up_and_labkits_reference():
 def test_a_stub_is_not_attempted():
     stub = "def one_f_one_b_order(p, m):\n    raise NotImplementedError()\n"
     assert "not attempted yet" in _run(_ns4(), stub, CHECK4)
+
+
+CHECK2 = _cell("check_exercise_2()")
+
+
+def test_exercise_2_shows_the_replayed_answers_only_once_an_answer_passes():
+    stub = "def smallest_microbatches(p, target):\n    raise NotImplementedError()\n"
+    out = _run(_ns4(), stub, CHECK2)
+    assert "not attempted yet" in out and "m = " not in out, out
+    out = _run(_ns4(), _solution("09-ex2-solution"), CHECK2)
+    assert "Exercise 2: passed" in out and "p = 8, bubble under 10%: m = 64" in out, out
+
+
+def test_exercise_2_takes_an_exact_closed_form_and_refuses_the_same_in_floats():
+    exact = "import math\ndef smallest_microbatches(p, target):\n    return math.floor((p - 1) * (1 - target) / target) + 1\n"
+    assert "Exercise 2: passed" in _run(_ns4(), exact, CHECK2)
+    floats = exact.replace("    return", "    target = float(target)\n    return")
+    with pytest.raises(AssertionError, match="m = 63 is not the smallest m whose bubble is below it"):
+        _run(_ns4(), floats, CHECK2)

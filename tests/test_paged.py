@@ -59,6 +59,24 @@ def test_out_of_blocks_changes_nothing():
         t.add("a")
 
 
+def test_numpy_integers_are_sizes_counts_and_block_ids():
+    """lk.estimate takes np.int64 sizes; so does labkit.paged (a scheduler's sizes often come from numpy)."""
+    import numpy as np
+    from labkit.paged import block_hashes, serving_tables
+    a = BlockAllocator(np.int64(4), np.int32(4))
+    assert (a.num_blocks, a.block_size) == (4, 4) and type(a.num_blocks) is int
+    block = a.allocate()
+    a.share(np.int64(block))
+    a.free(np.int64(block))
+    a.free(np.int64(block))
+    assert a.free_list[-1] == block and type(a.free_list[-1]) is int
+    t = serving_tables(BlockAllocator(8, 4), watermark=np.float64(0.25))
+    t.add("a", np.int64(5))
+    t.append("a", np.int64(3))
+    assert t.lengths["a"] == 8 and t.watermark_blocks == 2
+    assert block_hashes(np.arange(8), np.int64(4)) == block_hashes(list(range(8)), 4)
+
+
 ops = st.lists(st.tuples(st.sampled_from(["add", "append", "fork", "free"]), st.integers(0, 7), st.integers(0, 9)),
                max_size=60)
 

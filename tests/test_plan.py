@@ -43,8 +43,8 @@ def tracked(model, step, *objs):
     return mem
 
 
-def formula(config, batch=B, seq=S, optimizer="adamw", **levers):
-    return lk.estimate(config, batch, seq, "fp32", optimizer, device="cpu", method="formula", **levers)
+def formula(config, batch=B, seq=S, optimizer="adamw", dtype="fp32", **levers):
+    return lk.estimate(config, batch, seq, dtype, optimizer, device="cpu", method="formula", **levers)
 
 
 # ---- levers, each against the real thing -----------------------------------------------------------
@@ -79,9 +79,87 @@ def test_fused_optimizer_step_holds_one_gradient_as_the_formula_says():
     assert abs(formula(plain.config, 1, 16).total / measured_plain - 1) < 0.05
 
 
+def test_accumulating_micro_batches_keeps_their_gradients_alive_as_the_formula_says():
+    """A plain loop that sums two bf16 micro-batches into .grad: the first one's gradients are alive through
+    the second backward (no fp32 buffer: grad_accum=False); without `accumulate` the formula misses them."""
+    ids = torch.randint(0, 4096, (1, 128))
+    model = tiny(dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+
+    def step():
+        for _ in range(2):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    measured = tracked(model, step, opt).peak
+    est = lk.estimate(model.config, 1, 128, "bf16", "adamw", device="cpu", method="formula", accumulate=True)
+    one = lk.estimate(model.config, 1, 128, "bf16", "adamw", device="cpu", method="formula")
+    assert abs(measured / est.total - 1) < 0.02 and est.phase == "start of backward"
+    assert measured > 1.1 * one.total                          # the gradients a single micro-batch has not
+    assert est.peak_parts["gradients"] == 2 * sum(p.numel() for p in model.parameters())
+
+
+def test_a_recomputed_layers_backward_is_the_peak_the_formula_says():
+    """Notebook 13's plan (bf16, full recomputation, the step fused into backward, notebook 12's chunked loss)
+    on a tiny Llama with a small vocabulary, so that the loss is not the peak: the top layer, recomputed, in
+    its backward (its inputs, that layer's activations and its MLP's gradients: levers.layer_backward_bytes)."""
+    from labkit.estimate.levers import layer_backward_bytes
+    from labkit.kernels import linear_cross_entropy
+    model = tiny(dtype=torch.bfloat16, vocab_size=256, intermediate_size=1024)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
+    opts = {p: torch.optim.AdamW([p], foreach=False) for p in model.parameters()}
+
+    def step_now(p):
+        opts[p].step()
+        opts[p].zero_grad(set_to_none=True)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step_now)
+    ids = torch.randint(0, 256, (B, 512))
+
+    def step():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1).reshape(-1)
+        linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight, targets,
+                             chunk=CE_CHUNK).backward()
+
+    mem = tracked(model, step, *opts.values())
+    est = lk.estimate(model.config, B, 512, "bf16", "adamw", device="cpu", method="formula", recompute=True,
+                      fused_step=True, chunked_ce=True)
+    assert abs(mem.peak / est.total - 1) < 0.02 and est.phase == "recomputation"
+    made = B * 512 * layer_backward_bytes(model_shape(model.config), 2)[1]
+    assert mem.peak_parts["other"] == pytest.approx(made, rel=0.01)       # 3 e i + e h per token, measured
+
+
+def test_autocast_with_recomputation_keeps_the_casts_of_one_layer_as_the_formula_says():
+    """Under autocast a checkpointed layer keeps no 16-bit weight copy; the output layer's stays, the
+    recomputed layer makes its own again."""
+    model = tiny(vocab_size=256, intermediate_size=1024)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    ids = torch.randint(0, 256, (B, S))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    measured = tracked(model, step, opt).peak
+    est = formula(model.config, recompute=True, dtype="amp-bf16")
+    assert abs(measured / est.total - 1) < 0.02 and est.phase == "recomputation"
+
+
 def test_fused_step_refuses_accumulation():
     with pytest.raises(ValueError, match="fused_step"):
         lk.estimate("llama-2-7b", 1, 512, "mixed", "adamw", method="formula", grad_accum=True, fused_step=True)
+    with pytest.raises(ValueError, match="fused_step"):
+        lk.estimate("llama-2-7b", 1, 512, "bf16", "adamw", method="formula", accumulate=True, fused_step=True)
 
 
 def test_eight_bit_adamw_state_is_bitsandbytes_bytes():
@@ -326,6 +404,9 @@ def test_nothing_fits_says_the_smallest_peak_the_category_and_the_lever():
     assert plans.best is None and len(plans) > 0
     assert advice.startswith("nothing fits") and "What would" in advice
     assert "nothing fits" in plans.table(3)
+    crowd = plan("llama-2-7b", "serve", "L4", seq=4096, batch=1000)         # the closest has an 8-bit cache
+    assert crowd.best is None and crowd[0].levers["kv_dtype"] == "int8"
+    assert "What would shrink kv_cache: fewer concurrent sequences or more GPUs" in crowd.advice()
 
 
 @pytest.mark.parametrize("kwargs, named", [
@@ -334,6 +415,13 @@ def test_nothing_fits_says_the_smallest_peak_the_category_and_the_lever():
     (dict(model="gpt2-124m"), "gpt2"), (dict(gpus=3), "batch 1 cannot be split over 3 GPUs"),
     (dict(task="lora", gpus=2, batch=3), "batch 3 is not divisible by gpus=2"),
     (dict(levers=dict(colour="red")), "colour"), (dict(host_memory="lots"), "host_memory"),
+    (dict(levers=dict(dtype="fp16")), r"levers\['dtype'\] must be one of .*got 'fp16'"),
+    (dict(levers=dict(recompute=1)), r"levers\['recompute'\] must be one of .*got 1"),
+    (dict(levers=dict(micro_batch=0)), r"levers\['micro_batch'\] must be an int >= 1, got 0"),
+    (dict(task="lora", levers=dict(lora_dropout=2)), "lora_dropout"),
+    (dict(task="lora", gpus=2, batch=2, levers=dict(dp=1)), r"levers\['dp'\] must be gpus=2"),
+    (dict(levers=dict(grad_accum=3)), "no plan can express these levers.*grad_accum"),
+    (dict(gpu="4090"), r"did you mean RTX 4090"), (dict(gpu="A100"), r"A100 40GB or A100 80GB"),
 ])
 def test_bad_input_is_named_with_its_value(kwargs, named):
     args = dict(model="llama-2-7b", task="finetune", gpu="L4") | kwargs
@@ -346,6 +434,36 @@ def test_options_the_formulas_cannot_price_are_named_with_why(tmp_path):
     path.write_text(lk.models.config("llama-2-7b", "full", attention_dropout=0.1).to_json_string())
     with pytest.raises(ValueError, match="attention_dropout=0.1.*cannot price"):
         plan(str(path), "finetune", "L4")
+
+
+@pytest.mark.parametrize("impl, attention", [("flash_attention_2", "sdpa"), ("flex_attention", "sdpa"),
+                                             ("eager", "eager")])
+def test_a_config_naming_its_attention_is_priced_as_that_kernel_keeps(impl, attention, tmp_path):
+    """FlashAttention and flex attention keep what SDPA's flash kernel keeps; eager keeps the score matrix.
+    No kernel is imported (flash-attn need not be installed)."""
+    cfg = lk.models.config("llama-2-7b", "full")
+    cfg._attn_implementation = impl
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json_string())
+    plans = plan(cfg, "finetune", "H100", seq=1024)
+    assert plans.question["attention"] == attention and all(p.levers["attention"] == attention for p in plans)
+    same = plan("llama-2-7b", "finetune", "H100", seq=1024, attention=attention)
+    assert [p.peak_bytes for p in plans] == [p.peak_bytes for p in same]
+
+
+def test_per_layer_config_lists_follow_the_replayed_depth():
+    """Qwen2's layer_types lists one entry per layer: the allocator's replay at 2 layers cuts it to 2."""
+    plans = plan("qwen2-7b", "qlora", "T4", seq=512)
+    assert plans.best is not None and plans.question["config"].num_hidden_layers == 28
+
+
+def test_fixed_levers_are_honoured_not_ignored():
+    serve = plan("llama-2-7b", "serve", "L4", batch=8, levers=dict(block_size=32))
+    assert {p.levers["block_size"] for p in serve} == {32} and "blocks of 32" in serve[0].techniques[1]
+    accum = plan("llama-2-7b", "finetune", "L4", batch=4, levers=dict(grad_accum=4))
+    assert {(p.levers["micro_batch"], p.levers["grad_accum"]) for p in accum} == {(1, 4)}
+    eager = plan("llama-2-7b", "finetune", "L4", batch=4, levers=dict(attention="eager"))
+    assert {p.levers["attention"] for p in eager} == {"eager"}
 
 
 def test_verify_without_its_module_says_so(monkeypatch):
@@ -443,6 +561,7 @@ def test_cli_prints_the_table_and_honours_rows_in_json(capsys):
     (["--gpu", "B300"], "B300"), (["--rows", "0"], "--rows must be >= 1, got 0"),
     (["--rows", "-3"], "--rows must be >= 1, got -3"), (["--gpus", "3"], "cannot be split over 3 GPUs"),
     (["--lever", "colour=red"], "colour"), (["--host-mem", "lots"], "host_memory"),
+    (["--lever", "dtype=fp16"], "levers['dtype'] must be one of"), (["--gpu", "3090"], "with a unit"),
 ])
 def test_cli_refuses_bad_input_in_one_line(argv, named, capsys):
     with pytest.raises(SystemExit) as err:

@@ -266,3 +266,64 @@ def test_torchtunes_chunked_output_loss_agrees():
             opt.step()
             opt.zero_grad(set_to_none=True)
     within_2_percent(fake("finetune", dtype="bf16", chunked_ce="output", micro_batch=MICRO), mem.peak)
+
+
+def _plan_gap(task, budget, **levers):
+    from labkit.plan import plan
+    plans = plan(CFG, task, budget, seq=SEQ, batch=4, levers=levers)
+    return V.verify(plans, config=CFG)
+
+
+@pytest.mark.parametrize("levers", [dict(recompute=True), dict(recompute=True, activation_offload=True),
+                                    dict(recompute=False), dict(recompute=True, micro_batch=1)])
+def test_a_qlora_plan_verifies_as_its_formula_says(levers):
+    """The adapters' activations live where the layer's do: in every layer as backward starts, in the one
+    recomputed layer with full recomputation; their gradients only once backward has made them (or from
+    earlier micro-batches); the frozen head makes no weight gradient in a chunked loss."""
+    v = _plan_gap("qlora", "564 MiB", **levers)
+    assert abs(v.gap) < 0.03, (levers, v.gap, v.formula, v.measured)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "amp-bf16"])
+def test_accumulation_without_an_fp32_buffer_verifies(dtype):
+    """Two micro-batches summed into .grad: the first one's gradients are alive through the second backward."""
+    v = _plan_gap("finetune", "1 GiB", dtype=dtype, optimizer="adamw", micro_batch=1, offload=None, zero=0,
+                  activation_offload=False)
+    assert v.levers["grad_accum"] == 4 and abs(v.gap) < 0.02, (dtype, v.gap)
+    assert v.formula["gradients"] > 0 and v.measured["gradients"] == v.formula["gradients"]
+
+
+def test_a_paged_state_is_held_apart_from_what_the_allocator_serves():
+    """A paged 8-bit state fills what the card leaves: the plan's resident share and the one the measured
+    step leaves are shown apart, and the gap is taken on what PyTorch's allocator serves."""
+    from labkit.plan import CUDA_CONTEXT, plan
+    levers = dict(optimizer="paged-adamw-8bit", dtype="bf16", recompute=True, fused_step=True, chunked_ce=True,
+                  activation_offload=False, micro_batch=4)
+    roomy = plan(CFG, "finetune", "1 GiB", seq=SEQ, batch=4, levers=levers)[0]
+    card = CUDA_CONTEXT + roomy.counted_bytes + roomy.parts["optimizer"] // 2     # half the state fits beside
+    plans = plan(CFG, "finetune", card, seq=SEQ, batch=4, levers=levers)
+    top = plans[0]
+    assert top.fits and top.host.get("paged", 0) > 0, "the card holds part of the state: the rest is paged"
+    v = V.verify(plans, config=CFG)
+    served_f, served_m = v.formula_peak - v.paged[0], v.measured_peak - v.paged[1]
+    assert v.paged[0] == top.peak_bytes - top.counted_bytes
+    assert served_m + v.paged[1] + v.allocator == top.budget           # the measured step leaves the rest
+    assert v.gap == pytest.approx(served_m / served_f - 1) and abs(v.gap) < 0.02
+    assert "paged state" in v.table() and "served" in v.table()
+
+
+def test_a_recomputed_layers_backward_at_7b_width_on_fake_tensors():
+    """Notebook 13's 7B step, two layers deep: the peak inside the recomputed layer's backward, as the formula
+    prices it (3 x 172 MiB + 64 MiB of gradients in "other" at 4 x 2048 tokens)."""
+    from labkit.estimate import model_shape
+    from labkit.estimate.formulas import training_step
+    from labkit.estimate.levers import layer_backward_bytes
+    cfg = lk.models.config("llama-2-7b", "full", num_hidden_layers=2)
+    levers = dict(dtype="bf16", optimizer="adamw", fused_step=True, recompute=True, chunked_ce=True, micro_batch=4)
+    parts, *_ = V.measure(cfg, "finetune", levers, 2048, device="fake")
+    s = model_shape(cfg)
+    est = training_step(s, 4, 2048, "bf16", "adamw", True, False, False, "cuda", None, fused_step=True,
+                        chunked_ce=True)
+    assert est.phase == "recomputation" and abs(sum(parts.values()) / est.total - 1) < 0.02
+    assert 4 * 2048 * layer_backward_bytes(s, 2)[1] == (3 * 172 + 64) * 2**20
+    assert parts["other"] == pytest.approx((3 * 172 + 64) * 2**20, abs=64)      # and a few scalars

@@ -8,7 +8,8 @@ from labkit.units import GiB, MiB, fmt_bytes, parse_bytes
 
 @pytest.mark.parametrize("text, expected", [("64 MiB", 64 * MiB), ("2GiB", 2 * GiB), ("1.5 GB", 1_500_000_000),
                                             ("512", 512), (1024, 1024), ("3 kib", 3072), ("2 gb", 2_000_000_000),
-                                            (np.int64(7), 7), (2e9, 2_000_000_000), ("1.5 KiB", 1536)])
+                                            (np.int64(7), 7), (2e9, 2_000_000_000), ("1.5 KiB", 1536),
+                                            ("1.1 KB", 1100), ("0.3 KB", 300), ("1e3 B", 1000)])
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
@@ -17,7 +18,8 @@ def test_parse_bytes(text, expected):
                                         (None, TypeError), (True, TypeError), ("2 parsecs", ValueError),
                                         (1.5, ValueError), (0.5, ValueError), (float("nan"), ValueError),
                                         (float("inf"), ValueError), ("1e400 GB", ValueError), ("0.5", ValueError),
-                                        ("2 Gb", ValueError), ("8 Mib", ValueError), (Fraction(1, 2), ValueError)])
+                                        ("2 Gb", ValueError), ("8 Mib", ValueError), (Fraction(1, 2), ValueError),
+                                        ("2.5 B", ValueError), ("1.0001 KB", ValueError)])
 def test_parse_bytes_bad_input_names_argument(bad, error):
     with pytest.raises(error, match="budget"):
         parse_bytes(bad, "budget")
@@ -35,3 +37,10 @@ def test_fmt_bytes():
     assert fmt_bytes(3 * GiB) == "3.00 GiB"
     assert fmt_bytes(12) == "12 B"
     assert fmt_bytes(-2 * MiB) == "-2.00 MiB"
+
+
+def test_a_string_that_is_not_a_whole_number_of_bytes_is_refused_not_truncated():
+    """"2.5 B" was read as 2 bytes; "1.1 KB" is 1100 bytes exactly (1.1 * 1000 in floats is 1100.0000000000002)."""
+    with pytest.raises(ValueError, match=r"budget must be a whole number of bytes, got '2.5 B'"):
+        parse_bytes("2.5 B", "budget")
+    assert parse_bytes("1.1 KB") == 1100 and parse_bytes("0.5 KiB") == 512

@@ -102,3 +102,27 @@ def test_engine_errors_say_what_is_wrong(one_rank):
         zero.Zero(model, 3, units=[model, model[0]])
     with pytest.raises(RuntimeError, match="parameter 0.weight has no gradient: call backward\\(\\) before step\\(\\)"):
         zero.Zero(mlp(), 1).step()
+
+
+@pytest.mark.parametrize("torch_names", ["2.13: *_single", "2.11: all_gather_into_tensor, reduce_scatter_tensor"])
+def test_the_collectives_run_on_both_torch_versions_and_warn_on_neither(one_rank, monkeypatch, torch_names):
+    """torch 2.13 added all_gather_single / reduce_scatter_single and deprecates the old names (a FutureWarning
+    on every call); torch 2.11, the GPU image's, has only the old ones. Without the new names the old ones run
+    (here, on a torch that has both, their deprecation warning is expected); with them, nothing warns."""
+    import warnings
+    import torch.distributed as dist
+    if torch_names.startswith("2.11"):
+        monkeypatch.delattr(dist, "all_gather_single", raising=False)
+        monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
+    model, ref = mlp(), mlp()
+    engine = zero.Zero(model, 3, lr=1e-2, units=[model[0], model[2]])
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore" if torch_names.startswith("2.11") else "error", FutureWarning)
+        model(x).square().mean().backward()
+        engine.step()
+    ref(x).square().mean().backward()
+    opt.step()
+    for t, s, w_ref in zip(engine.local, engine.shape, ref.parameters()):
+        torch.testing.assert_close(zero.unshard([t.detach()], s), w_ref, rtol=0, atol=1e-6)

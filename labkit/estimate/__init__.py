@@ -30,20 +30,20 @@ from .fake import fake_estimate
 from .formulas import (CATS, DTYPES, OPTIMIZERS, Estimate, activation_bytes_per_token, device_type, dtype_bytes,
                        head_terms, inference, korthikanti_bytes, kv_cache_bytes, kv_capacity, linear_params,
                        model_states, param_count, training_step)
-from .levers import ATTENTIONS, CHUNKED_CE
+from .levers import ATTENTION_KERNELS, ATTENTIONS, CHUNKED_CE
 from .measured import measured
 from .sharding import OFFLOADS, ZERO_STAGES, Parallel, as_parallel, make_layout, per_rank
 from .step import storage_bytes
 
 __all__ = ["estimate", "Estimate", "Parallel", "param_count", "kv_cache_bytes", "kv_capacity", "korthikanti_bytes",
-           "model_states", "load_config", "measured", "activation_bytes_per_token", "DTYPES", "OPTIMIZERS",
+           "model_states", "load_config", "measured", "activation_bytes_per_token", "full_step", "DTYPES", "OPTIMIZERS",
            "FAMILIES", "ZERO_STAGES", "OFFLOADS", "CATS"]
 
 
 def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training=True, recompute=False,
              kv_tokens=None, foreach=False, logits_to_keep=None, grad_accum=False, device=None,
              method="auto", max_positions=None, *, parallel=None, dp=None, zero=None, tp=None, pp=None, offload=None,
-             fused_step=False, chunked_ce=False, attention="sdpa", activation_offload=False):
+             fused_step=False, chunked_ce=False, attention="sdpa", activation_offload=False, accumulate=False):
     """Predicted memory of a training step (training=True) or of inference with a KV cache.
 
     config: a transformers config, a labkit preset name (its full size) or a path to a config.json.
@@ -81,7 +81,9 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
     one's function and source): fused_step (the optimizer step fused into backward: one parameter's gradient
     at a time), chunked_ce (True: notebook 12's linear_cross_entropy, no logits kept; "output": torchtune's
     chunked output loss), attention ("sdpa", or "eager": the score matrix kept), activation_offload (the
-    layers' saved activations in host memory: est.host["activations"]). optimizer "paged-adamw-8bit" and
+    layers' saved activations in host memory: est.host["activations"]), accumulate (the step sums several
+    micro-batches of `batch`: the earlier ones' gradients stay alive through each backward, in the
+    parameters' .grad, or with grad_accum=True in its fp32 buffer). optimizer "paged-adamw-8bit" and
     "paged-adamw" are bitsandbytes' paged optimizers (the same bytes; labkit.plan prices the paging).
     grad_accum and dtype="mixed" on the fake path: the step is measured (in bf16 for "mixed") and the fp32
     buffer (4 bytes/param, alive across steps) and fp32 master weights + Adam state (12 bytes/param in
@@ -105,7 +107,8 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
         raise ValueError(f"method must be 'auto', 'formula' or 'fake', got {method!r}")
     dtype_bytes(dtype)
     levers = dict(fused_step=flag("fused_step", fused_step), chunked_ce=chunked_ce, attention=attention,
-                  activation_offload=flag("activation_offload", activation_offload))
+                  activation_offload=flag("activation_offload", activation_offload),
+                  accumulate=flag("accumulate", accumulate))
     if chunked_ce not in CHUNKED_CE:
         raise ValueError(f"chunked_ce must be one of {CHUNKED_CE}, got {chunked_ce!r}")
     if attention not in ATTENTIONS:
@@ -128,6 +131,11 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
     if not training and dtype.startswith("amp"):
         raise ValueError(f"dtype {dtype!r} is for training; for inference use 'bf16' or 'fp16'")
     config = load_config(config)
+    kernel = getattr(config, "_attn_implementation", None)
+    if kernel in ATTENTION_KERNELS and ATTENTION_KERNELS[kernel] == "sdpa" and kernel != "sdpa":
+        import copy                  # FlashAttention, flex attention: what SDPA's flash kernel keeps; no import
+        config = copy.deepcopy(config)
+        config._attn_implementation = "sdpa"
     shape = model_shape(config)
     if shape["a"] and shape["kv"] and shape["a"] % shape["kv"]:
         raise ValueError(f"config num_attention_heads {shape['a']} is not a multiple of num_key_value_heads "
@@ -156,8 +164,66 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
         est = inference(shape, batch, seq, dtype, kv_tokens, 1 if logits_to_keep is None else logits_to_keep)
     if est.method == "fake" or not training:
         est = per_rank(est, layout, dtype_bytes(dtype), grad_accum)
+    if kernel in ATTENTION_KERNELS and kernel not in ("sdpa", "eager"):
+        est.notes.append(f"attn_implementation {kernel!r}: priced as SDPA's flash kernel (the same saved tensors)")
     return est
 
+
+
+# estimate's keywords beyond a plain training loop's (forward, backward, optimizer.step()): `full_step` names them
+LEVER_KEYWORDS = ("fused_step", "chunked_ce", "attention", "activation_offload", "accumulate", "grad_accum", "zero",
+                  "offload", "dp", "tp", "pp", "parallel")
+
+
+def full_step(entry):
+    """One entry of a notebook's FULL_STEPS (its parameters cell: what the notebook runs at full size) read as
+    tests/test_full_size.py and `make gpu-smoke` need it. An entry is lk.estimate's keywords, or
+    dict(bytes=...) for a step given by its size, either with beside={what stays alive beside the step: bytes}.
+
+    Returns {"estimate": the keywords for lk.estimate (None for a given size), "bytes": the given size (None
+    otherwise), "beside": {what: bytes}, "levers": the keywords a plain training loop (forward, backward,
+    optimizer.step()) does not run, with their values (fused_step, chunked_ce, ...; {} for a plain step),
+    "verify": the step as labkit.plan.verify.measure(config, "finetune", levers, seq, device=...) runs it on
+    real or fake tensors (None where it cannot: inference, fp16, an optimizer or lever it has not)}.
+    A malformed entry raises ValueError or TypeError naming the key and the value, before any work."""
+    import inspect
+    from ..units import parse_bytes
+    if not isinstance(entry, dict):
+        raise TypeError(f"a FULL_STEPS entry must be a dict of lk.estimate keywords or dict(bytes=...), got {entry!r}")
+    kw = dict(entry)
+    beside = kw.pop("beside", {})
+    if not isinstance(beside, dict):
+        raise TypeError(f"beside must be a dict of what stays alive -> bytes, got {beside!r}")
+    beside = {str(k): parse_bytes(v, f"beside[{k!r}]") for k, v in beside.items()}
+    if "bytes" in kw:
+        if set(kw) != {"bytes"}:
+            raise ValueError(f"an entry with bytes holds nothing else but beside, got keys {sorted(kw)}")
+        return dict(estimate=None, bytes=parse_bytes(kw["bytes"], "bytes"), beside=beside, levers={}, verify=None)
+    known = set(inspect.signature(estimate).parameters)
+    unknown = sorted(set(kw) - known)
+    if unknown or "config" not in kw:
+        raise TypeError(f"a FULL_STEPS entry takes lk.estimate's keywords ({', '.join(sorted(known))}) or bytes; "
+                        + (f"got unknown {unknown}" if unknown else "config is missing"))
+    levers = {k: v for k, v in kw.items() if k in LEVER_KEYWORDS and not (
+        v in (None, False, "sdpa") or isinstance(v, int) and not isinstance(v, bool) and v in (0, 1))}
+    return dict(estimate=kw, bytes=None, beside=beside, levers=levers, verify=_verify_levers(kw))
+
+
+def _verify_levers(kw):
+    """The levers labkit.plan.verify.measure runs for lk.estimate keywords `kw`, or None where it cannot."""
+    dtype, optimizer = kw.get("dtype", "bf16"), kw.get("optimizer", "adamw")
+    runs = dict(fp32="fp32", bf16="bf16", mixed="mixed", **{"amp-bf16": "amp-bf16"})
+    if (not kw.get("training", True) or dtype not in runs or kw.get("parallel") is not None
+            or optimizer not in ("adamw", "adamw-8bit", "paged-adamw-8bit", "paged-adamw")
+            or any(kw.get(k) not in (None, 1) for k in ("dp", "tp", "pp")) or kw.get("recompute", False) not in
+            (False, True, "selective")):
+        return None
+    accumulate = bool(kw.get("accumulate") or kw.get("grad_accum"))
+    return dict(dtype=runs[dtype], optimizer=optimizer, fused_step=kw.get("fused_step", False),
+                recompute=kw.get("recompute", False), chunked_ce=kw.get("chunked_ce", False),
+                attention=kw.get("attention", "sdpa"), activation_offload=kw.get("activation_offload", False),
+                zero=kw.get("zero") or 0, offload=kw.get("offload"), micro_batch=kw.get("batch", 1),
+                grad_accum=2 if accumulate else 1)
 
 
 # Private names callers imported before the split (tests, labkit/scripts/gpu_smoke.py): kept as aliases.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import pathlib
 
-__all__ = ["FAMILIES", "load_config", "model_shape", "model_class", "build_model", "is_masked_lm", "get"]
+__all__ = ["FAMILIES", "load_config", "model_shape", "model_class", "build_model", "is_masked_lm", "get",
+           "check_lm_head"]
 
 # model_type -> the family whose formula describes it
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gemma": "gemma", "phi": "phi",
@@ -65,9 +66,14 @@ def _read_config_json(path):
         raise ValueError(f"config file {str(path)!r} has no 'model_type'")
     _check_sizes(data.get, data["model_type"], f"config file {str(path)!r}: ")
     try:
+        from huggingface_hub.errors import StrictDataclassClassValidationError as refused   # transformers 5's checks
+    except ImportError:
+        refused = ValueError
+    try:
         return AutoConfig.for_model(**data)
-    except (ValueError, KeyError, TypeError, ArithmeticError) as e:
-        raise ValueError(f"config file {str(path)!r}: transformers refuses it: {e}") from None
+    except (ValueError, KeyError, TypeError, ArithmeticError, refused) as e:
+        reason = " ".join(str(e.__cause__ or e).split())                   # one line, the field named
+        raise ValueError(f"config file {str(path)!r}: transformers refuses it: {reason}") from None
 
 
 def get(config, *names, default=None):
@@ -94,8 +100,9 @@ def model_shape(config):
         family = None                        # dropout in a family whose formula has none: measured instead
     if getattr(config, "vocab_size", None) is None:
         raise ValueError(f"config of model_type {mt!r} has no vocab_size: lk.estimate covers language models "
-                         "(causal LM, masked LM, encoder-decoder), not vision or multi-modal configs "
-                         "(for CLIP-like configs pass config.text_config)")
+                         f"(causal LM, masked LM, encoder-decoder), not vision or multi-modal configs. {MEASURE_IT}")
+    if family is None:
+        check_lm_head(config)
 
     def size_of(name):
         return getattr(config, name, None)
@@ -131,6 +138,20 @@ def model_shape(config):
         shape.update(p_resid=get(config, "resid_pdrop", default=0.0),
                      p_attn=get(config, "attention_dropout", default=0.0), p_embd=get(config, "embd_pdrop", default=0.0))
     return shape
+
+
+MEASURE_IT = ("Measure the model instead: build it (`model = transformers.AutoModel.from_config(config)`) and run "
+              "your own step inside `with lk.track(model) as mem:`.")
+
+
+def check_lm_head(config):
+    """A ValueError (advice that works: build it, lk.track a step) unless transformers has a language-model head
+    for `config`: a bare encoder such as CLIP's text tower (`clip_text_model`) gives no loss and no logits."""
+    import transformers as tf
+    if model_class(config) is tf.AutoModel:
+        raise ValueError(f"config of model_type {config.model_type!r} has no language-model head in transformers "
+                         f"(no loss, no logits to train or decode with): lk.estimate covers causal LMs, masked LMs "
+                         f"and encoder-decoders. {MEASURE_IT}")
 
 
 def is_masked_lm(config):

@@ -1,9 +1,12 @@
 """The estimate by measurement, for what no formula covers (est.method == "fake"): the model is built on
-FakeTensorMode (shapes, no data) and `track()` follows a real step of it (step.py).
+FakeTensorMode (shapes, no data) and `track()` follows a real step of it (step.py): the step of a plain
+training loop, `model(input_ids=ids, labels=ids).loss.backward()`, use_cache left at the config's default.
 
 Exact to the byte only where a test shows it: a grouped-KV decoder (Qwen3) training in fp32 at 64 and 2048
-tokens (tests/test_edges_estimate.py; the first step within AdamW's 4-byte step counters). Elsewhere it is
-what the same step allocates on a CPU, not what CUDA kernels would.
+tokens (tests/test_edges_estimate.py; the first step within AdamW's 4-byte step counters); GPT-NeoX, Phi3
+(fused QKV: the training forward's cache keeps 2 and 1.5 x b*s*h per layer less than use_cache=False) and
+BART against a plain loop (tests/test_estimate_families.py). Elsewhere it is what the same step allocates
+on a CPU, not what CUDA kernels would.
 """
 from __future__ import annotations
 
@@ -90,10 +93,45 @@ def fake_friendly_moe():
     - masking_utils.find_packed_sequence_indices cannot read the position ids of a fake tensor, so it
       assumes packed sequences: every layer then gets a (b, 1, s, s) mask and SDPA K/V expanded to all
       heads, which a real step with one sequence per row never has. Our step packs nothing: say so (None).
+    - masking_utils cannot read a fake padding mask either, so it never lets SDPA skip the causal or
+      bidirectional mask: a model that makes an all-ones mask itself when given none (BART's decoder and
+      17 other families) got a (b, 1, s, s) mask in fp32 per layer that a real step skips (+2·b·s²·4 B
+      for BART's two decoder layers). Our step pads nothing: the mask is all ones, say so (no mask).
     """
     with _patched("transformers.integrations.moe", "_can_use_grouped_mm", _no_grouped_mm), \
-            _patched("transformers.masking_utils", "find_packed_sequence_indices", _no_packed_sequences):
+            _patched("transformers.masking_utils", "find_packed_sequence_indices", _no_packed_sequences), \
+            _patched_keeping("transformers.masking_utils", "_ignore_causal_mask_sdpa", _no_padding), \
+            _patched_keeping("transformers.masking_utils", "_ignore_bidirectional_mask_sdpa", _no_padding):
         yield
+
+
+@contextlib.contextmanager
+def _patched_keeping(module_name, attr, wrapper):
+    """module.attr replaced by `wrapper(original)` while the block runs (nothing done if it does not exist)."""
+    import importlib
+    try:
+        original = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError):
+        yield
+        return
+    with _patched(module_name, attr, wrapper(original)):
+        yield
+
+
+def _no_padding(original):
+    """transformers' check whether SDPA may skip a mask, told that a fake padding mask is all ones (None)."""
+    import torch
+
+    def check(padding_mask, *args, **kwargs):
+        if isinstance(padding_mask, torch.Tensor) and _is_fake(padding_mask):
+            padding_mask = None
+        return original(padding_mask, *args, **kwargs)
+    return check
+
+
+def _is_fake(t):
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t)
 
 
 def _no_grouped_mm(*args, **kwargs):

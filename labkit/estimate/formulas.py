@@ -22,7 +22,7 @@ from ..units import fmt_bytes, parse_bytes
 from .checks import count
 from .config import build_model, get, load_config, model_shape
 from .levers import (ATTENTIONS, CE_CHUNK, OUTPUT_CHUNKS, eager_score_bytes, fused_step_moments,  # noqa: F401
-                     loss_terms, offloaded_activations)                                        # (CE_CHUNK: verify)
+                     layer_backward_bytes, loss_terms, offloaded_activations)                  # (CE_CHUNK: verify)
 from .sharding import as_parallel, gathered, make_layout, move_to_host, parallel_note, shard
 
 __all__ = ["DTYPES", "OPTIMIZERS", "CATS", "Estimate", "param_count", "linear_params", "kv_cache_bytes", "kv_capacity",
@@ -333,13 +333,19 @@ def peak_moment(moments):
 
 
 def training_step(shape, batch, seq, dtype, optimizer, recompute, foreach, grad_accum, device, layout=None,
-                  fused_step=False, chunked_ce=False, attention="sdpa", activation_offload=False):
+                  fused_step=False, chunked_ce=False, attention="sdpa", activation_offload=False, accumulate=False,
+                  frozen=False):
     """The Estimate of a training step by formula: its moments (start of backward, optimizer step,
     recomputation), each divided for one rank of `layout` (sharding.make_layout) when one is given.
 
     The levers (each a small function of levers.py, with its source): fused_step (`fused_step_moments`),
     chunked_ce (`loss_terms`), attention "eager" (`eager_score_bytes`), activation_offload
-    (`offloaded_activations`: est.host["activations"] holds what moved)."""
+    (`offloaded_activations`: est.host["activations"] holds what moved). accumulate: the step sums
+    micro-batches, so the gradients of those before are alive through each backward: in grad_accum's fp32
+    buffer, or without one in the parameters' own .grad (a plain loop's `loss.backward()` adds into it).
+    Recomputation's moment holds the recomputed layer in its backward (`layer_backward_bytes`). frozen:
+    the weights are frozen (a LoRA base: labkit.plan prices the adapters), so the loss makes no LM-head
+    weight gradient."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
     if "n_params" not in shape:            # a search calls this thousands of times with one shape
@@ -350,12 +356,16 @@ def training_step(shape, batch, seq, dtype, optimizer, recompute, foreach, grad_
     zero = (layout or {}).get("zero", 0)
     parts["parameters"], parts["gradients"], parts["optimizer"] = states(P, dtype, optimizer, grad_accum, zero)
     accum = 4 * P * bool(grad_accum)          # the buffer lives across steps
+    in_grad = P * w if accumulate and not grad_accum else 0      # earlier micro-batches' .grad, all of it
+
+    def grads(made):          # gradients alive once this backward has made `made` bytes of w-byte gradients
+        return accum + max(made, in_grad)
     layer, scores = layer_terms(shape, seq, dtype, device=device)
     if attention == "eager":
         eager = eager_score_bytes(shape, seq, e)
         layer, scores = layer + eager, scores + eager
     head, _ = head_terms(shape, dtype, device=device)
-    saved, logits, loss_grad = loss_terms(shape, e, loss_bytes(shape, dtype), tokens, chunked_ce)
+    saved, logits, loss_grad = loss_terms(shape, e, loss_bytes(shape, dtype), tokens, chunked_ce, w, frozen)
     head += saved - loss_bytes(shape, dtype) * shape["V"] + mask_bytes(shape, seq, dtype)
     if recompute == "selective":
         layer -= scores
@@ -368,28 +378,39 @@ def training_step(shape, batch, seq, dtype, optimizer, recompute, foreach, grad_
     offloaded = 0
     if activation_offload:
         held, offloaded = offloaded_activations(held, units)
-    cache = e * linear_params(shape) if amp else 0     # autocast's 16-bit weight copies, kept through backward
+    # autocast's 16-bit weight copies, kept through backward by the matmuls that saved them; a checkpointed
+    # segment saves none (its casts die when autocast exits), so with recomputation only the output layer's
+    # stays, and the recomputed segment makes its own again (`again`, in the recomputation moment)
+    out_layer = shape["V"] * shape["h"] if shape["family"] in ("llama", "gemma", "phi") else 0
+    cache = e * (out_layer if k and out_layer else linear_params(shape)) if amp else 0
+    again = e * k * (linear_params(shape) - out_layer) // L if amp and k and out_layer else 0
     parts["activations"] = int(tokens * (held + max(head + logits, recomputed)) + cache)
     largest_tensor = max(shape["V"] * shape["h"], shape["h"] * shape["i"]) * w
     base = optimizer[len("paged-"):] if optimizer and optimizer.startswith("paged-") else optimizer
     no_temps = base in ("sgd", "sgd-momentum", "adamw-8bit", None) or base != optimizer   # bitsandbytes: fused kernels
     step_temp = 0 if no_temps else (P * w if foreach else 2 * largest_tensor)
     # at the start of backward the loss gradient is live and the logits are gone
-    backward = dict(parts, gradients=accum, activations=int(tokens * (held + head) + cache), other=int(loss_grad))
+    backward = dict(parts, gradients=grads(0), activations=int(tokens * (held + head) + cache), other=int(loss_grad))
     step = dict(parts, activations=0, other=step_temp)
     moments = {"start of backward": backward, "optimizer step": step}
-    if k:                      # recomputing the top segment (few gradients yet) or the bottom one (most)
+    if fused_step and (grad_accum or accumulate):
+        raise ValueError("fused_step steps each parameter as soon as its gradient is complete: it cannot "
+                         "accumulate micro-batches (grad_accum or accumulate); torchtune refuses the same")
+    # a fused step in a layer's backward holds one of its matrices' gradients at most (the MLP's or q's)
+    layer_grad = w * shape["h"] * max(shape["i"], shape["a"] * shape["d"]) if fused_step else None
+    candidates = []            # recomputing the top segment (few gradients yet) or the bottom one (most), in
+    if k:                      # its backward: which is larger is decided on one rank's device, below
         layer_params = (P - shape["V"] * shape["h"] * (1 if shape["tied"] else 2) - shape["h"]) // L
-        moments["recomputation"] = max(
-            [dict(parts, gradients=accum + w * shape["V"] * shape["h"] * (not shape["tied"]), other=0,
-                  activations=int(tokens * (held + recomputed) + cache)),
-             dict(parts, gradients=parts["gradients"] - w * (k * layer_params + shape["V"] * shape["h"]), other=0,
-                  activations=int(tokens * (inp + recomputed) + cache))], key=total_bytes)
-    if fused_step:
-        if grad_accum:
-            raise ValueError("fused_step steps each parameter as soon as its gradient is complete: it cannot "
-                             "accumulate micro-batches (grad_accum=True); torchtune refuses the same")
-        moments = fused_step_moments(moments, largest_tensor, 0 if no_temps else 2 * largest_tensor)
+        freed, made = layer_backward_bytes(shape, e)
+        inside = dict(parts, other=int(tokens * made))
+        candidates = [dict(inside, gradients=grads(w * shape["V"] * shape["h"] * (not shape["tied"])),
+                           activations=int(tokens * (held + recomputed - freed) + cache + again)),
+                      dict(inside, gradients=grads(max(0, parts["gradients"] - accum
+                                                       - w * (k * layer_params + shape["V"] * shape["h"]))),
+                           activations=int(tokens * (inp + recomputed - freed) + cache + again))]
+    if fused_step:             # no gradient waits for the step: the top segment, with more activations, is larger
+        candidates = [dict(c, gradients=layer_grad) for c in candidates]
+        moments = fused_step_moments(moments, largest_tensor, 0 if no_temps else 2 * largest_tensor, layer_grad)
         parts["gradients"] = largest_tensor
     notes, host, largest = [], {}, largest_layer(shape)
     if layout is not None and (layout["zero"] or layout.get("offload")
@@ -397,8 +418,12 @@ def training_step(shape, batch, seq, dtype, optimizer, recompute, foreach, grad_
         extra = gathered(largest, w, layout)         # ZeRO-3's gathered layer, outside the optimizer step
         moments = {n: move_to_host(shard(p, layout, n), layout, 0 if n == "optimizer step" else extra,
                                    0 if n == "optimizer step" else extra, n)[0] for n, p in moments.items()}
+        candidates = [move_to_host(shard(c, layout, "recomputation"), layout, extra, extra, "recomputation")[0]
+                      for c in candidates]     # offloaded gradients no longer make the bottom segment larger
         parts, host = move_to_host(shard(parts, layout), layout, extra, extra)
         notes.append(parallel_note(layout))
+    if candidates:
+        moments["recomputation"] = max(candidates, key=total_bytes)
     if offloaded:
         host["activations"] = int(tokens * offloaded / (layout or {}).get("tp", 1))
     first = {n: dict(p, optimizer=0) if n != "optimizer step" else p for n, p in moments.items()}

@@ -2,7 +2,7 @@
 config with random weights (tests/test_estimate_families.py, benchmarks/estimate_table.py)."""
 from __future__ import annotations
 
-from .config import is_masked_lm, load_config, model_class
+from .config import check_lm_head, is_masked_lm, load_config, model_class
 from .step import measure_inference, measure_step, quiet
 
 __all__ = ["measured"]
@@ -20,6 +20,7 @@ def measured(config, batch=2, seq=64, dtype="fp32", optimizer="adamw", training=
     import torch
     from ..memory import track
     config = load_config(config)
+    check_lm_head(config)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     torch.manual_seed(seed)
     old = torch.get_default_dtype()

@@ -67,7 +67,9 @@ def _measure_step_quietly(model, config, batch, seq, dtype, optimizer, training,
 
             def step():
                 with amp:
-                    kw = dict(labels=ids) if masked else dict(labels=ids, use_cache=False)
+                    # a plain loop's call: use_cache left at the config's default, as a learner leaves it (a
+                    # training forward fills a cache too; tests/test_estimate_families.py shows what it changes)
+                    kw = dict(labels=ids)
                     if enc_dec:             # the decoder reads the labels, shifted right by the model itself
                         kw["decoder_input_ids"] = ids
                     loss = model(input_ids=ids, **kw).loss

@@ -17,13 +17,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..units import fmt_bytes
-from .report import CATEGORY_INDEX, STRIDED, Tracker
+from .report import ACTIVATIONS, CATEGORY_INDEX, GRADIENTS, STRIDED, Tracker
 
 __all__ = ["DispatchTracker"]
 
@@ -32,21 +33,30 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep     # labkit/m
 
 
 class CompiledCodeSeen(logging.Filter):
-    """Catch Dynamo's "skipping ... torch dispatch mode present" note, silence only what we enabled."""
+    """Catch Dynamo's "skipping ... torch dispatch mode present" note for every dispatch tracker in its block
+    (one filter for all: a filter that drops a record hides it from the filters after it, so nested trackers
+    each with their own heard nothing but the outermost), and silence only what we enabled."""
 
-    def __init__(self, shown_from):
+    def __init__(self, shown_from, level_before):
         super().__init__()
-        self.shown_from, self.frames = shown_from, []
-        self.level_before = None
+        self.shown_from, self.level_before = shown_from, level_before
 
     def filter(self, record):
         if record.levelno < self.shown_from:
             msg = record.getMessage()
             if "dispatch mode" in msg:
                 if f"file: {PACKAGE_DIR}" not in msg:   # labkit's own callbacks (a storage's weakref), not the user's code
-                    self.frames.append(msg.split(" (reason")[0].removeprefix("skipping: "))
+                    for tracker in RESIZING:
+                        tracker.compiled_frames.append(msg.split(" (reason")[0].removeprefix("skipping: "))
             return False
         return True
+
+
+class Entry(weakref.ref):
+    """A storage in the books: a weak reference to it (its callback books the free), with its key in `_live`
+    (the storage's id), its serial and its bytes. One object per storage: cheaper than a list holding a
+    weak reference with a `functools.partial` callback (this runs once per allocation)."""
+    __slots__ = ("key", "serial", "nbytes")
 
 
 class DispatchTracker(Tracker, TorchDispatchMode):
@@ -57,8 +67,9 @@ class DispatchTracker(Tracker, TorchDispatchMode):
 
     def __init__(self, *objs, budget=None, device=None, snapshot=None):
         super().__init__(*objs, budget=budget, device=device, snapshot=snapshot)
-        self._live = {}        # id(storage) -> [serial, nbytes, weakref]
-        self._compiled = None  # the filter that hears Dynamo skip a compiled frame, while the block runs
+        self._live = {}        # id(storage) -> its Entry, while it lives
+        self._gone = self._free  # the Entries' callback, bound once
+        self.compiled_frames = []  # what Dynamo skipped because this mode was on, heard while the block runs
 
     # ---- counting -------------------------------------------------------------------------
     def _see_storage(self, st, t, category):
@@ -68,29 +79,29 @@ class DispatchTracker(Tracker, TorchDispatchMode):
             self._new(st, key, CATEGORY_INDEX[category] if category else self._phase[-1], t)
         else:
             if category is not None:
-                self._relabel(entry[0], CATEGORY_INDEX[category])
-            if st.nbytes() != entry[1]:                # resized in place (resize_, out=)
+                self._relabel(entry.serial, CATEGORY_INDEX[category])
+            if st.nbytes() != entry.nbytes:            # resized in place (resize_, out=)
                 self._resized(entry, st, t)
 
     def _new(self, st, key, cat, t):
         serial = len(self._label)
         self._label.append(cat)
-        nbytes = st.nbytes()
-        self._live[key] = [serial, nbytes, weakref.ref(st, functools.partial(self._free, key))]
+        entry = self._live[key] = Entry(st, self._gone)
+        entry.key, entry.serial, entry.nbytes = key, serial, st.nbytes()
         self._serials.append(serial)         # = self._change(serial, nbytes, t), inlined: once per allocation
-        self._deltas.append(nbytes)
-        self.live += nbytes
+        self._deltas.append(entry.nbytes)
+        self.live += entry.nbytes
         if self.live > self.peak:
             self.peak = self.live
         if self.budget is not None and self.live > self.budget:
             self._serials.pop(), self._deltas.pop()
-            self.live -= nbytes
-            self._change(serial, nbytes, t)              # raises, naming the budget and the tensor
+            self.live -= entry.nbytes
+            self._change(serial, entry.nbytes, t)        # raises, naming the budget and the tensor
 
     def _resized(self, entry, st, t):
-        delta = st.nbytes() - entry[1]
-        entry[1] += delta
-        self._change(entry[0], delta, t)
+        delta = st.nbytes() - entry.nbytes
+        entry.nbytes += delta
+        self._change(entry.serial, delta, t)
 
     def _change(self, serial, delta, t=None):
         super()._change(serial, delta, t)
@@ -105,20 +116,40 @@ class DispatchTracker(Tracker, TorchDispatchMode):
         if self._closed or self.device is not None and st.device.type != self.device:
             return
         entry = self._live.get(id(st))
-        if entry is not None and st.nbytes() != entry[1]:
+        if entry is not None and st.nbytes() != entry.nbytes:
             self._resized(entry, st, None)
 
     _storage_resized = storage_resized      # the name it had before
 
-    def _free(self, key, ref):
+    def _free(self, entry):
+        """An Entry's callback: its storage died (after the block: nothing to book, the timeline ended)."""
         if self._closed:
             return
-        entry = self._live.get(key)
-        if entry is not None and entry[2] is ref:
-            del self._live[key]
-            self._serials.append(entry[0])
-            self._deltas.append(-entry[1])
-            self.live -= entry[1]
+        key, live = entry.key, self._live
+        if live.get(key) is entry:
+            del live[key]
+            nbytes = entry.nbytes
+            self._serials.append(entry.serial)
+            self._deltas.append(-nbytes)
+            self.live -= nbytes
+
+    def _label_grads(self):                  # Tracker's, its common case inlined: once per backward
+        live, label = self._live, self._label
+        for p in self._grad_params:
+            g = p.grad
+            if g is not None:
+                entry = live.get(id(g.untyped_storage())) if type(g) is TENSOR else None
+                if entry is None:
+                    self._see(g, "gradients")
+                elif label[entry.serial] != GRADIENTS:
+                    self._relabel(entry.serial, GRADIENTS)
+
+    def _module_pre(self, module, args):     # Tracker's, inlined: twice per module call
+        self._phase.append(ACTIVATIONS)
+
+    def _module_post(self, module, args, out):
+        if len(self._phase) > 1:
+            self._phase.pop()
 
     @classmethod
     def _should_skip_dynamo(cls):
@@ -127,32 +158,52 @@ class DispatchTracker(Tracker, TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if type(out) is torch.Tensor and out.layout == STRIDED and self.device is None:   # the common case, inline
-            st = out.untyped_storage()
+        # Runs once per op: what it costs is most of what tracking costs (benchmarks/track_overhead.py), so
+        # the common case (one plain tensor out, every device counted) is written out here, `_new` inlined.
+        op = OPS.get(id(func))
+        if op is None:
+            op = learn(func)
+        out = op[0](*args, **kwargs) if kwargs else op[0](*args)
+        if op[1] is VIEW:                                            # t, view, detach, expand: nothing new
+            return out
+        if (type(out) is TENSOR or type(out) is PARAMETER) and self.device is None:
+            try:
+                st = out.untyped_storage()
+            except (RuntimeError, NotImplementedError):              # sparse, mkldnn, ...: no storage to count
+                return out
             key = id(st)
             entry = self._live.get(key)
             if entry is None:
-                fresh = FRESH.get(func)
-                if fresh is None:
-                    fresh = FRESH[func] = returns_fresh(func)
-                if fresh or key not in input_storages(args, kwargs):
-                    self._new(st, key, self._phase[-1], out)
-            elif st.nbytes() != entry[1]:
+                if op[1] is FRESH or key not in input_storages(args, kwargs):   # new: not an input's storage
+                    label = self._label
+                    serial, nbytes = len(label), st.nbytes()
+                    label.append(self._phase[-1])
+                    entry = self._live[key] = Entry(st, self._gone)
+                    entry.key, entry.serial, entry.nbytes = key, serial, nbytes
+                    self._serials.append(serial)
+                    self._deltas.append(nbytes)
+                    live = self.live = self.live + nbytes
+                    if live > self.peak:
+                        self.peak = live
+                    if self.budget is not None and live > self.budget:
+                        self._serials.pop(), self._deltas.pop()
+                        self.live -= nbytes
+                        self._change(serial, nbytes, out)            # raises, naming the budget and the tensor
+            elif st.nbytes() != entry.nbytes:
                 self._resized(entry, st, out)
         elif isinstance(out, torch.Tensor):
-            self._output(out, func, args, kwargs)
+            self._output(out, op[1] is FRESH, args, kwargs)
         elif isinstance(out, (tuple, list)):
             for t in out:
                 if isinstance(t, torch.Tensor):
-                    self._output(t, func, args, kwargs)
+                    self._output(t, op[1] is FRESH, args, kwargs)
                 elif isinstance(t, (tuple, list)):
                     for u in t:
                         if isinstance(u, torch.Tensor):
-                            self._output(u, func, args, kwargs)
+                            self._output(u, op[1] is FRESH, args, kwargs)
         return out
 
-    def _output(self, t, func, args, kwargs):
+    def _output(self, t, fresh, args, kwargs):
         if t.layout != STRIDED or self.device is not None and t.device.type != self.device:
             return
         try:
@@ -165,25 +216,23 @@ class DispatchTracker(Tracker, TorchDispatchMode):
             # An output that shares an input's storage (a view, an in-place op) allocated nothing,
             # even if that storage was born before tracking began and is seen here for the first time.
             # Ops whose schema returns fresh tensors skip the look at the inputs (most of them).
-            fresh = FRESH.get(func)
-            if fresh is None:
-                fresh = FRESH[func] = returns_fresh(func)
             if fresh or key not in input_storages(args, kwargs):
                 self._new(st, key, self._phase[-1], t)
-        elif st.nbytes() != entry[1]:
+        elif st.nbytes() != entry.nbytes:
             self._resized(entry, st, t)
 
     # ---- the block ------------------------------------------------------------------------
     def _start_counting(self):
-        """Listen (only) for Dynamo's note that it skipped a compiled frame because of this mode, and
-        see storage resizes."""
-        log = logging.getLogger(DYNAMO_LOG)
-        self._compiled = CompiledCodeSeen(log.getEffectiveLevel())
-        self._compiled.level_before = log.level
-        log.addFilter(self._compiled)
-        log.setLevel(logging.DEBUG)
+        """See storage resizes, and listen (only) for Dynamo's note that it skipped a compiled frame because
+        a dispatch mode was on: the first tracker to start installs both for every tracker in its block."""
         if not RESIZING:
             torch.UntypedStorage.resize_ = resize_counted
+            if "torch._dynamo" in sys.modules:       # only if loaded: importing Dynamo takes seconds
+                dynamo_skips_dispatch()
+            log = logging.getLogger(DYNAMO_LOG)
+            LISTENER.append(CompiledCodeSeen(log.getEffectiveLevel(), log.level))
+            log.addFilter(LISTENER[0])
+            log.setLevel(logging.DEBUG)
         RESIZING.append(self)
 
     def _stop_counting(self):
@@ -191,9 +240,9 @@ class DispatchTracker(Tracker, TorchDispatchMode):
             RESIZING.remove(self)
             if not RESIZING:
                 torch.UntypedStorage.resize_ = RESIZE
-        if self._compiled is not None:
-            logging.getLogger(DYNAMO_LOG).removeFilter(self._compiled)
-            logging.getLogger(DYNAMO_LOG).setLevel(self._compiled.level_before)
+                log = logging.getLogger(DYNAMO_LOG)
+                log.removeFilter(LISTENER[0])
+                log.setLevel(LISTENER.pop().level_before)
 
     def _enter_mode(self):
         return TorchDispatchMode.__enter__(self)
@@ -202,15 +251,16 @@ class DispatchTracker(Tracker, TorchDispatchMode):
         TorchDispatchMode.__exit__(self, kind, exc, tb)
 
     def _check_block(self):
-        if self._compiled is not None and self._compiled.frames:
+        if self.compiled_frames:
             raise RuntimeError(
                 f"compiled code ran inside lk.track(): torch.compile does not run under a dispatch mode, so "
-                f"{', '.join(sorted(set(self._compiled.frames)))} ran eagerly and what was counted is not what "
+                f"{', '.join(sorted(set(self.compiled_frames)))} ran eagerly and what was counted is not what "
                 "the compiled code allocates. Measure it with lk.track(..., backend='profiler').")
 
 
 RESIZING = []                # dispatch trackers inside their block: each is told of a storage resize
 RESIZE = torch.UntypedStorage.resize_
+LISTENER = []                # the one CompiledCodeSeen filter while any dispatch tracker is in its block
 
 
 def resize_counted(storage, size):
@@ -222,15 +272,45 @@ def resize_counted(storage, size):
     return out
 
 
-FRESH = {}     # op -> its schema says every output is a new tensor (no alias annotation)
+TENSOR, PARAMETER = torch.Tensor, torch.nn.Parameter
+FRESH, VIEW, OTHER = "fresh", "view", "other"     # what an op's outputs are, by its schema
+OPS = {}       # id(op) -> (what to call, FRESH/VIEW/OTHER, the op: kept alive, so that its id is no other op's)
 
 
-def returns_fresh(func):
-    """Whether every output of op `func` is a new tensor by its schema (no alias annotation)."""
+@functools.cache
+def dynamo_skips_dispatch():
+    """Dynamo inlines a dispatch mode's __torch_dispatch__ while it traces a compiled function run under it, and
+    warns about the C++ op handle `learn` calls ("does not know how to trace the builtin ..."). The tracker
+    refuses such a block anyway: Dynamo is told to skip this code (torch's own `_should_skip_dynamo` wrapper
+    would instead cost every op a frame)."""
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:                     # moved or gone in this torch: the warning is the only cost
+        return
+    skip_code(DispatchTracker.__torch_dispatch__.__code__)
+
+
+def learn(func):
+    """OPS' entry for `func`. An aten OpOverload is called through its C++ handle `_op`: `func(...)` would add
+    one Python frame (OpOverload.__call__) to every op."""
+    OPS[id(func)] = op = (getattr(func, "_op", func), op_kind(func), func)
+    return op
+
+
+def op_kind(func):
+    """FRESH: every output of op `func` is a new tensor by its schema (no alias annotation); VIEW: every output
+    is a read-only alias of an input (`t(Tensor(a) self) -> Tensor(a)`: nothing allocated, nothing resized);
+    OTHER: in-place and out= ops (an output written, maybe resized), mixed outputs, unknown schemas."""
     schema = getattr(func, "_schema", None)
-    if schema is None or func in (torch.ops.aten._unsafe_view.default,):   # a view its schema calls new
-        return False
-    return not any(r.alias_info is not None for r in schema.returns)
+    if schema is None or func in (torch.ops.aten._unsafe_view.default,) or not schema.returns:   # a view its
+        return OTHER                                                                             # schema calls new
+    aliases = [r.alias_info for r in schema.returns]
+    if all(a is None for a in aliases):
+        return FRESH
+    if all(a is not None and not a.is_write and len(a.before_set) <= 1 for a in aliases):   # not `Tensor(a|b)`:
+        return VIEW                                                                          # that may be new
+    return OTHER
+
 
 
 def input_storages(args, kwargs):

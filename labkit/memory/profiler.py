@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 
 import torch
 
@@ -89,7 +90,9 @@ class ProfilerTracker(Tracker):
         self._notes = without_profiler_notes()          # until the block ends: see its docstring
         self._notes.__enter__()
         logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(drop_record_function_note)
-        self._prof.__enter__()
+        with warnings.catch_warnings():      # torch 2.11 warns "Profiler clears events" at any first start
+            warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
+            self._prof.__enter__()
 
     def _stop_counting(self):
         if self._prof is not None:

@@ -6,13 +6,17 @@ so a tensor born in backward that ends up as `param.grad` is a gradient from its
 (`timeline`, `peak_parts`, `trace`, ...) is built from the events when first read, and cached.
 
 The categories come from hooks that both backends install in the same way: a module's forward
-makes activations (global module hooks, so submodules count too), `.grad` is a gradient, an
-optimizer's state is "optimizer", a model output's cache kept without a graph is "kv_cache".
+makes activations (global module hooks, so submodules count too), `.grad` is a gradient (read when
+each backward ends, before each optimizer step and when the block ends: `torch.autograd.backward` is
+wrapped while a block runs, which also marks where each backward starts; no hook per parameter or per
+forward), an optimizer's state is "optimizer", a model output's cache kept without a graph is
+"kv_cache".
 What a backend adds is how it sees storages (`_see_storage`) and how it starts and stops counting
 (`_start_counting`, `_stop_counting`): see `dispatch.py` and `profiler.py`.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import numpy as np
@@ -25,11 +29,12 @@ __all__ = ["CATEGORIES", "Tracker"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "kv_cache", "other")
 CATEGORY_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
-OTHER, ACTIVATIONS = CATEGORY_INDEX["other"], CATEGORY_INDEX["activations"]
+OTHER, ACTIVATIONS, GRADIENTS = CATEGORY_INDEX["other"], CATEGORY_INDEX["activations"], CATEGORY_INDEX["gradients"]
 STRIDED = torch.strided
 DEVICE_TYPES = (None, "cpu", "cuda", "meta", "mps", "xpu")
 
 ACTIVE = []                  # trackers inside their block, innermost last (both backends)
+AUTOGRAD = {}                # torch.autograd.backward and .grad as they were, while wrapped (ACTIVE not empty)
 
 
 class Tracker:
@@ -63,6 +68,8 @@ class Tracker:
         self.marks = []        # (event index, text)
         self._phase = [OTHER]  # the category of what is made now: a stack (a forward inside a step)
         self._hooks = []
+        self._grad_params = []   # parameters of the modules passed in: their .grad is labelled "gradients"
+        self._grads_labelled = False   # by the end of a backward since the last optimizer step
         self._warnings = None
         self._closed = False
         self._entered = False
@@ -124,10 +131,12 @@ class Tracker:
             self.label([p.grad for p in obj.parameters() if p.grad is not None], "gradients")
             self._hooks.append(obj.register_forward_pre_hook(self._forward_pre))
             self._hooks.append(obj.register_forward_hook(self._forward_post))
-            self._watch_grads(obj.parameters())
+            self._follow_grads(obj.parameters())
         elif isinstance(obj, torch.optim.Optimizer):
-            self.label([p for g in obj.param_groups for p in g["params"]], "parameters")
+            params = [p for g in obj.param_groups for p in g["params"]]
+            self.label(params, "parameters")
             self.label(obj.state, "optimizer")
+            self._follow_grads(params)
             self._hooks.append(obj.register_step_pre_hook(self._step_pre))
             self._hooks.append(obj.register_step_post_hook(self._step_post))
         else:                                # tensors, containers: nn.Parameters count as parameters
@@ -141,12 +150,27 @@ class Tracker:
             self._watch_grads(params)
 
     def _watch_grads(self, params):
+        """Parameters passed in as tensors: no forward of theirs says when a backward runs, so each has a hook
+        that labels its .grad as it is accumulated."""
         for p in params:
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_accumulated))
 
     def _grad_accumulated(self, param):
         self._see(param.grad, "gradients")
+
+    def _follow_grads(self, params):
+        """Parameters whose .grad `_label_grads` labels (each once: a model and its optimizer share them)."""
+        known = {id(p) for p in self._grad_params}
+        self._grad_params += [p for p in params if p.requires_grad and id(p) not in known]
+
+    def _label_grads(self):
+        """Label the .grad of the parameters of the modules and optimizers passed in: at the end of each
+        backward, before each optimizer step, when the block ends. The latest label is the storage's
+        category for its whole life, so a gradient born in backward is a gradient from its birth."""
+        for p in self._grad_params:
+            if p.grad is not None:
+                self._see(p.grad, "gradients")
 
     # Whatever any module's forward creates is an activation: also the forward that activation
     # checkpointing re-runs during backward. Global hooks, so that submodules count too.
@@ -165,20 +189,29 @@ class Tracker:
             for key, value in out.items():   # items(), not out.get("past_key_values"): no deprecation warning
                 if key in ("cache", "past_key_values") and value is not None and not saved_for_backward(value):
                     self.label(value, "kv_cache")
-        first = next((t for t in tensors(out) if t.requires_grad), None)
-        if first is not None and torch.is_grad_enabled():
-            first.register_hook(self._backward_started)
 
-    def _backward_started(self, grad):
+    def _backward_started(self):
         self.mark("backward")
 
+    def _backward_ended(self):
+        self._label_grads()
+        self._grads_labelled = True
+
     def _step_pre(self, optimizer, args, kwargs):
+        if not self._grads_labelled:         # a backward that did not go through torch.autograd.backward
+            self._label_grads()
+        self._grads_labelled = False
         self._push(OTHER)
         self.mark("step")
 
     def _step_post(self, optimizer, args, kwargs):
         self._pop()
-        self.label(optimizer.state, "optimizer")
+        for state in optimizer.state.values():       # {param: {"exp_avg": tensor, "step": tensor}}, once a step
+            for value in state.values() if isinstance(state, dict) else (state,):
+                if isinstance(value, torch.Tensor):
+                    self._see(value, "optimizer")
+                elif not isinstance(value, (int, float, bool)):
+                    self.label(value, "optimizer")
         self.mark("step end")
 
     # ---- the block ------------------------------------------------------------------------
@@ -217,6 +250,8 @@ class Tracker:
                                    "profiler at a time, and it would count the other tracker's work): end the "
                                    "outer block first")
             self._start_counting()
+            if not ACTIVE:
+                follow_autograd()
             ACTIVE.append(self)
             if self.cuda is not None and self.snapshot:
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
@@ -227,6 +262,7 @@ class Tracker:
             raise
 
     def __exit__(self, kind, exc, tb):
+        self._label_grads()
         self._exit_mode(kind, exc, tb)
         self._close()
         self.mark("end")
@@ -253,9 +289,13 @@ class Tracker:
         """Remove every hook, stop counting frees; keep what was measured. Safe to call twice."""
         if self in ACTIVE:
             ACTIVE.remove(self)
+            if not ACTIVE:
+                for name, original in AUTOGRAD.items():
+                    setattr(torch.autograd, name, original)
+                AUTOGRAD.clear()
         for h in self._hooks:
             h.remove()
-        self._hooks = []
+        self._hooks, self._grad_params = [], []
         self._closed = True
         if self._warnings is not None:
             self._warnings.__exit__(None, None, None)
@@ -351,3 +391,27 @@ class Tracker:
     def __repr__(self):
         parts = ", ".join(f"{c} {fmt_bytes(b)}" for c, b in self.peak_parts.items() if b)
         return f"<track peak {fmt_bytes(self.peak)} ({parts}); live {fmt_bytes(self.live)}>"
+
+
+def follow_autograd():
+    """Wrap `torch.autograd.backward` (what `loss.backward()` calls) and `torch.autograd.grad` while trackers are
+    in their blocks: when one starts, each tracker marks "backward"; when a backward ends, each labels the .grad
+    its parameters now hold. Two calls per backward, where a hook per parameter costs one call per parameter
+    and a hook on each forward's output a registration per forward."""
+    for name in ("backward", "grad"):
+        AUTOGRAD[name] = original = getattr(torch.autograd, name)
+        setattr(torch.autograd, name, _followed(original, labels=name == "backward"))
+
+
+def _followed(original, labels):
+    @functools.wraps(original)
+    def followed(*args, **kwargs):
+        for tracker in list(ACTIVE):
+            tracker._backward_started()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if labels:
+                for tracker in list(ACTIVE):
+                    tracker._backward_ended()
+    return followed

@@ -2,15 +2,18 @@
 
 `tensors(obj)` finds every tensor in a module, an optimizer, a container or an object with tensor
 attributes (a transformers Cache); `objects(objs, fn)` reads the arguments of `track()`/`oom_guard()`
-once, so that a one-shot iterator (`model.parameters()`) is not found empty when walked again.
+once, so that a one-shot iterator (`model.parameters()`) is not found empty when walked again;
+`frame_locals(frame)` reads a running function's variables (what `oom_guard` and `leaks` name) without
+leaving Python's snapshot of them, which would keep every tensor they name alive.
 """
 from __future__ import annotations
 
 import collections.abc
+import inspect
 
 import torch
 
-__all__ = ["tensors", "objects", "saved_for_backward"]
+__all__ = ["tensors", "objects", "saved_for_backward", "frame_locals"]
 
 
 def objects(objs, fn):
@@ -64,3 +67,19 @@ def saved_for_backward(cache):
     what attention saved for backward, so they stay activations, as lk.estimate counts them. A cache is
     "kv_cache" only when it is kept for later tokens without a graph (generate, inference)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors(cache))
+
+
+def frame_locals(frame):
+    """{name: value} of the variables of a running frame, as a copy that the frame does not keep.
+
+    On Python < 3.13 a function's `f_locals` is a snapshot dict cached on the frame: it holds every value it
+    saw until the frame ends, even after a `del` in the function (the oom_guard's advice) or a rebinding. The
+    copy is taken and the snapshot emptied; Python refills it on the next read (a debugger's trace hook reads
+    it afresh before each event). A `locals()` dict taken earlier in that function is the same dict: it is
+    emptied too. A module's or a notebook's frame holds its globals, not a snapshot: left as it is.
+    """
+    scope = frame.f_locals
+    names = dict(scope)
+    if type(scope) is dict and frame.f_code.co_flags & inspect.CO_OPTIMIZED:   # 3.13+: a proxy, no snapshot
+        scope.clear()
+    return names

@@ -3,6 +3,8 @@
 After vLLM's `can_allocate` (v0.2 on): a *watermark* of free blocks is kept for the running sequences'
 next tokens, so that admitting one more request does not force a preemption at the next decode step.
 """
+import numbers
+
 from .tables import BlockTables, blocks_for
 
 __all__ = ["NOW", "LATER", "NEVER", "admission_status", "WatermarkTables"]
@@ -24,7 +26,7 @@ class WatermarkTables(BlockTables):
 
     def __init__(self, allocator, *, watermark=0.0, **options):
         super().__init__(allocator, **options)
-        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
+        if isinstance(watermark, bool) or not isinstance(watermark, numbers.Real) or not 0 <= watermark < 1:
             raise ValueError(f"watermark must be a fraction of the blocks in [0, 1), got {watermark!r}")
         self.watermark_blocks = int(watermark * allocator.num_blocks)   # kept free for running sequences
 

@@ -5,6 +5,8 @@ off the free list with one owner; `share` adds an owner (a forked sequence); `fr
 the block back when none is left. Freeing a block nobody owns is a scheduler bug, so it fails loudly
 (`Double free of block 7`), as does asking an empty pool for a block (`OutOfBlocks`).
 """
+import numbers
+
 __all__ = ["BlockAllocator", "OutOfBlocks", "positive_int"]
 
 
@@ -13,10 +15,10 @@ class OutOfBlocks(RuntimeError):
 
 
 def positive_int(name, value):
-    """`value` if it is an int >= 1 (not a bool), else a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """`value` as an int if it is an integer >= 1 (numpy's too; not a bool), else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return int(value)
 
 
 class BlockAllocator:
@@ -25,8 +27,8 @@ class BlockAllocator:
     def __init__(self, num_blocks, block_size=16):
         self.num_blocks = positive_int("num_blocks", num_blocks)
         self.block_size = positive_int("block_size", block_size)
-        self.free_list = list(range(num_blocks - 1, -1, -1))     # pop() hands out 0, 1, 2, ...
-        self.ref_count = [0] * num_blocks                        # owners of each block
+        self.free_list = list(range(self.num_blocks - 1, -1, -1))   # pop() hands out 0, 1, 2, ...
+        self.ref_count = [0] * self.num_blocks                      # owners of each block
 
     def allocate(self):
         """A free block, with reference count 1."""
@@ -38,24 +40,25 @@ class BlockAllocator:
 
     def share(self, block):
         """One more owner for `block` (it must be allocated: a free block has no contents to share)."""
-        self.check(block, "share")
+        block = self.check(block, "share")
         self.ref_count[block] += 1
 
     def free(self, block):
         """One owner fewer; with none left the block returns to the free list."""
-        self.check(block)
+        block = self.check(block)
         self.ref_count[block] -= 1
         if self.ref_count[block] == 0:
             self.free_list.append(block)
 
     def check(self, block, action="free"):
-        """A ValueError unless `block` is a block of this pool that someone owns (`action` names the caller)."""
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
+        """`block` as an int, if it is a block of this pool that someone owns (`action` names the caller)."""
+        if isinstance(block, bool) or not isinstance(block, numbers.Integral) or not 0 <= block < self.num_blocks:
             raise ValueError(f"block must be an int in [0, {self.num_blocks}), got {block!r}")
         if self.ref_count[block] == 0:
             if action == "free":
                 raise ValueError(f"Double free of block {block}: it is not allocated")
             raise ValueError(f"cannot {action} block {block}: it is free (allocate it first)")
+        return int(block)
 
     @property
     def num_free(self):

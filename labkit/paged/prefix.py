@@ -5,10 +5,16 @@ tokens chained with the hash of the block before it; a new sequence whose leadin
 shares them through the reference counts, as a fork would. A named block whose last owner leaves is kept,
 free but cached, in the allocator's LRU `evictor`, and handed out again only when the free list is empty.
 The tables need the token ids (not counts) to name blocks.
+
+Two rules of vLLM's that a first reading can skip:
+- a prompt found whole in the cache still computes its last block: the model needs the last token's logits
+  to sample the next one (vLLM v1 caps a hit at the prompt's length - 1 tokens, `get_computed_blocks`);
+- a block that fills up with tokens whose hash already names another block is given back, and the table
+  points to that twin instead (vLLM v0's `promote_to_immutable_block`): one copy of the same keys and values.
 """
 import collections
 
-from .allocator import BlockAllocator, OutOfBlocks
+from .allocator import BlockAllocator, OutOfBlocks, positive_int
 from .tables import BlockTables, as_token_ids
 
 __all__ = ["block_hashes", "PrefixCachingAllocator", "PrefixCachingTables"]
@@ -20,8 +26,7 @@ def block_hashes(token_ids, block_size, parent=None):
     The first block's previous hash is `parent` (None). Chaining makes a hash name a block's tokens AND
     everything before them: the same tokens after another prefix have other keys and values.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    block_size = positive_int("block_size", block_size)
     ids = as_token_ids(token_ids, "token_ids")
     hashes = []
     for start in range(0, len(ids) - block_size + 1, block_size):
@@ -53,7 +58,7 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def free(self, block):
         """One owner fewer; a named block with none left goes to the evictor, keeping its name."""
-        self.check(block)
+        block = self.check(block)
         if self.ref_count[block] == 1 and block in self.hash_of:
             self.ref_count[block] = 0
             self.evictor[block] = None
@@ -63,11 +68,23 @@ class PrefixCachingAllocator(BlockAllocator):
     def cache(self, block, block_hash):
         """Names the full, allocated `block` by its hash so that later sequences can share it. False (and
         nothing changes) when the hash already names another block or the block has a name."""
-        self.check(block, "cache")
+        block = self.check(block, "cache")
         if block_hash in self.cached or block in self.hash_of:
             return False
         self.cached[block_hash], self.hash_of[block] = block, block_hash
         return True
+
+    def promote(self, block, block_hash):
+        """The block a table should hold for the full, private `block` named `block_hash`: `block` itself, now
+        named, or, when the hash already names a twin (the same tokens after the same prefix), the twin with
+        one more owner, and `block` goes back to the pool (vLLM v0's promote_to_immutable_block)."""
+        twin = self.cached.get(block_hash)
+        if twin is None or twin == block:
+            self.cache(block, block_hash)
+            return block
+        self.lookup(block_hash)
+        self.free(block)
+        return twin
 
     def lookup(self, block_hash):
         """The block named `block_hash` with one more owner (out of the evictor if it was free), or None."""
@@ -98,7 +115,7 @@ class PrefixCachingTables(BlockTables):
 
     def add(self, seq, tokens=()):
         """A new sequence holding the token ids `tokens`, its leading cached blocks shared. Returns how
-        many of its tokens were found in the cache. All or nothing."""
+        many of its tokens were found in the cache (never all: see `reusable`). All or nothing."""
         self.check_new(seq)
         _, ids = self.count_tokens(tokens)
         need = self.new_blocks(ids)                # a free named block found costs a block: it leaves the evictor
@@ -110,11 +127,11 @@ class PrefixCachingTables(BlockTables):
         return hits * self.allocator.block_size
 
     def reuse_cached_prefix(self, seq, ids):
-        """Shares the longest run of leading full blocks already cached; the number of blocks reused."""
-        hashes = block_hashes(ids, self.allocator.block_size)
-        self.prefix_queries += len(hashes)
+        """Shares the longest run of leading full blocks already cached, short of the last token; the number of
+        blocks reused."""
+        self.prefix_queries += len(block_hashes(ids, self.allocator.block_size))
         table = self.tables[seq]
-        for h in hashes:
+        for h in self.reusable(ids):
             block = self.allocator.lookup(h)
             if block is None:
                 break
@@ -133,8 +150,12 @@ class PrefixCachingTables(BlockTables):
         bs, seen, hashes = self.allocator.block_size, self.token_ids[seq], self.hashes[seq]
         seen.extend(ids)
         new = block_hashes(seen[len(hashes) * bs:], bs, hashes[-1] if hashes else None)
+        table = self.tables[seq]
         for i, h in enumerate(new, start=len(hashes)):
-            self.allocator.cache(self.tables[seq][i], h)
+            block = self.allocator.promote(table[i], h)
+            if block != table[i]:                  # given back: a copy into it (copy-on-write) is not needed
+                self.copies = [(src, dst) for src, dst in self.copies if dst != table[i]]
+                table[i] = block
         hashes.extend(new)
 
     def fork(self, parent, child):
@@ -150,12 +171,17 @@ class PrefixCachingTables(BlockTables):
         """Blocks `add` takes from the pool: cached blocks that other sequences hold cost nothing."""
         _, ids = self.count_tokens(tokens)
         in_use = 0
-        for h in block_hashes(ids, self.allocator.block_size):
+        for h in self.reusable(ids):
             block = self.allocator.cached.get(h)
             if block is None:
                 break
             in_use += self.allocator.ref_count[block] > 0
         return super().new_blocks(ids) - in_use
+
+    def reusable(self, ids):
+        """The hashes of the blocks of prompt `ids` that a lookup may share: its full blocks, short of its last
+        token, whose logits sample the next token (a prompt of whole blocks computes its last block again)."""
+        return block_hashes(ids, self.allocator.block_size)[:(len(ids) - 1) // self.allocator.block_size]
 
     def count_tokens(self, tokens, name="tokens"):
         """(count, token ids): a count other than 0 is refused, since blocks are named by their tokens."""

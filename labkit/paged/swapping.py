@@ -52,22 +52,34 @@ class SwappingTables(WatermarkTables):
 
     def can_swap_in(self, *seqs):
         """NOW, LATER or NEVER for bringing `seqs` back, keeping the watermark free."""
-        need = len(self.group_owners(seqs, self.swapped_tables(), "swapped out"))
-        return admission_status(self.allocator.num_free, self.allocator.num_blocks, need, self.watermark_blocks)
+        owners = self.group_owners(seqs, self.swapped_tables(), "swapped out")
+        return admission_status(self.allocator.num_free, self.allocator.num_blocks, self.swap_in_cost(seqs, owners),
+                                self.watermark_blocks, all_blocks=len(owners))
 
     def swap_in(self, *seqs):
         """Brings swapped-out `seqs` back to the device; returns the (host block, device block) copies.
         All or nothing on OutOfBlocks."""
         owners = self.group_owners(seqs, self.swapped_tables(), "swapped out")
-        if len(owners) > self.allocator.num_free:
-            raise OutOfBlocks(f"{seqs!r} need {len(owners)} blocks, {self.allocator.num_free} are free")
-        to_device = copy_blocks(owners, self.allocator)
+        need = self.swap_in_cost(seqs, owners)
+        if need > self.allocator.num_free:
+            raise OutOfBlocks(f"{seqs!r} need {need} blocks, {self.allocator.num_free} are free")
+        to_device, copies = self.device_blocks(seqs, owners)
         for seq in seqs:
             table, length = self.swapped.pop(seq)
             self.tables[seq], self.lengths[seq] = [to_device[block] for block in table], length
             for block in reversed(table):
                 self.host.free(block)
-        return list(to_device.items())
+        return copies
+
+    # -- what the prefix cache changes (serving.py): some blocks may still be on the device ---------------------
+    def swap_in_cost(self, seqs, owners):
+        """Device blocks that swapping `seqs` in takes from the pool: one per distinct host block here."""
+        return len(owners)
+
+    def device_blocks(self, seqs, owners):
+        """({host block: device block}, [(host block, device block) copies]) for `owners`: each one copied."""
+        to_device = copy_blocks(owners, self.allocator)
+        return to_device, list(to_device.items())
 
     def free(self, seq):
         """Release every block of `seq`, on the device or swapped out to the host."""

@@ -20,6 +20,9 @@ One idea per module:
 """
 from __future__ import annotations
 
+import copy
+
+from ..estimate.levers import ATTENTION_KERNELS as ATTENTION_IMPLEMENTATIONS   # what each kernel is priced as
 from .adapters import (ALL_TARGETS, ATTENTION_TARGETS, TARGETS, adapter_state_bytes, frozen_base_saving,
                        gathered_unit_bytes, int8_bits, lora_activation_bytes, lora_params, nf4_bits,
                        quantized_input_bytes, quantized_weight_bytes)
@@ -31,7 +34,7 @@ from .levers import (adam8bit_state_bytes, eager_score_bytes, fused_step_moments
                      paged_optimizer)
 from .plans import CATS, SHRINKS, Plan, Plans
 from .recipes import LAST_TIME, parse_levers, recipe_answer, recipes, recipes_table
-from .search import LEVERS, adapter_plans, serve_plans, train_plans
+from .search import LEVERS, adapter_plans, check_levers, serve_plans, train_plans
 from .serving import BLOCK_SIZE, kv_bytes, kv_capacity_tokens, paged_kv_tokens
 from .shapes import LINEARS, shape_of
 
@@ -45,7 +48,7 @@ __all__ = ["plan", "Plan", "Plans", "TASKS", "LEVERS", "CATS", "LINEARS", "ALL_T
            "paged_kv_tokens", "kv_bytes", "kv_capacity_tokens", "BLOCK_SIZE", "train_flops", "attention_flops",
            "offload_bytes", "offload_seconds", "host_seconds", "data_parallel_bytes", "quality_tier", "rank_key",
            "MFU", "HBM_UTIL", "CPU_GBPS", "OUTPUT_TOKENS", "SHRINKS", "recipes", "recipe_answer", "recipes_table",
-           "parse_levers", "LAST_TIME"]
+           "parse_levers", "LAST_TIME", "check_levers", "ATTENTION_IMPLEMENTATIONS"]
 
 TASKS = ("pretrain", "finetune", "lora", "qlora", "serve")
 FAMILIES = ("llama", "mistral", "qwen2")
@@ -80,6 +83,14 @@ def _config(model):
     if a % kv:
         raise ValueError(f"model {model!r}: num_attention_heads {a} is not a multiple of num_key_value_heads "
                          f"{kv} (each KV head serves a whole group of query heads)")
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl not in (None, "sdpa"):
+        if impl not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"model {model!r} asks for attn_implementation {impl!r}, which the planner cannot price; "
+                             f"it prices {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        cfg = copy.deepcopy(cfg)              # the formulas read an SDPA layer; `plan` prices eager's scores apart
+        cfg._attn_implementation = "sdpa"
+        cfg.labkit_attention = ATTENTION_IMPLEMENTATIONS[impl]
     return cfg
 
 
@@ -121,27 +132,19 @@ def plan(model, task, gpu, gpus=1, seq=2048, batch=1, *, host_memory=None, atten
     """
     from ..estimate import model_shape, param_count
     from ..units import parse_bytes
-    from .search import LEVERS as KINDS
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     g = gpu_spec(gpu)
     gpus, seq, batch = _count("gpus", gpus), _count("seq", seq), _count("batch", batch)
-    cfg = _config(model)
-    if getattr(cfg, "_attn_implementation", None) == "eager":
-        attention = "eager"
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"attention must be 'sdpa' or 'eager', got {attention!r}")
+    cfg = _config(model)
+    kind = "serve" if task == "serve" else "adapter" if task in ("lora", "qlora") else "train"
+    fix = check_levers(kind, levers, gpus, task)
+    attention = fix.get("attention", getattr(cfg, "labkit_attention", attention))
     if seq > cfg.max_position_embeddings:
         raise ValueError(f"seq must be <= max_position_embeddings {cfg.max_position_embeddings} of this config, "
                          f"got {seq}")
-    kind = "serve" if task == "serve" else "adapter" if task in ("lora", "qlora") else "train"
-    fix = dict(levers or {})
-    unknown = sorted(set(fix) - set(KINDS[kind]))
-    if unknown:
-        raise ValueError(f"levers {unknown} are not levers of a {task} plan; these are: {', '.join(KINDS[kind])}")
-    if "targets" in fix:
-        from .adapters import check_targets
-        fix["targets"] = check_targets(fix["targets"])
     default_host = host_memory is None
     host = default_host_memory(g, gpus) if default_host else parse_bytes(host_memory, "host_memory")
     s = shape_of(cfg)
@@ -160,8 +163,8 @@ def plan(model, task, gpu, gpus=1, seq=2048, batch=1, *, host_memory=None, atten
         plans = serve_plans(ctx)
     if not plans:
         raise ValueError(f"no plan can express these levers for {task} on {gpus} x {g['name']}: {fix} "
-                         f"(a fixed micro_batch must divide batch / dp; a fused step needs no accumulation "
-                         f"and no offload)")
+                         f"(batch {batch} = dp x micro_batch x grad_accum, dp x tp x pp = gpus; a fused step "
+                         f"needs no accumulation and no offload; offload='parameters' needs zero=3)")
     plans.sort(key=lambda p: rank_key(p, task))
     name = model if isinstance(model, str) else getattr(cfg, "name_or_path", "") or cfg.model_type
     question = dict(model=str(name), task=task, gpu=g["name"], gpus=gpus, seq=seq, batch=batch, memory=g["memory"],

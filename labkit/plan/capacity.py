@@ -64,8 +64,13 @@ def gpu_spec(gpu):
     table = _gpu_table()
     if isinstance(gpu, dict):
         return dict(gpu)
-    if isinstance(gpu, str) and gpu.strip().lower() in table:
-        g = dict(table[gpu.strip().lower()])
+    key = gpu.strip().lower() if isinstance(gpu, str) else None
+    if key in table:
+        g = dict(table[key])
+    elif key is not None and (key.replace(".", "", 1).isdigit() or any(key in k for k in table)):
+        near = [g["name"] for k, g in table.items() if key in k]     # "A100", "4090"; a bare "3090" has no unit
+        raise ValueError(f"gpu {gpu!r} is not a GPU of data/gpus.csv" + (f" (did you mean {' or '.join(near)}?)"
+                         if near else "") + f"; they are {gpu_names()}, or give the memory with a unit, like '24 GiB'")
     else:
         try:
             memory = parse_bytes(gpu, "gpu")
@@ -121,6 +126,10 @@ def _replayed(config_json, batch, seq, training, layers):
     from ..memory import track
     from transformers import AutoConfig
     data = json.loads(config_json)
+    # per-layer lists (Qwen2's layer_types, ...) follow the depth: transformers refuses a length that differs
+    for key, value in list(data.items()):
+        if isinstance(value, list) and len(value) == data.get("num_hidden_layers"):
+            data[key] = value[:layers]
     data.update(num_hidden_layers=layers)
     cfg = AutoConfig.for_model(**data)
     model = build_model(cfg, "fake", torch.bfloat16)

@@ -10,22 +10,39 @@ from ..units import fmt_bytes
 from .capacity import CUDA_CONTEXT, HOST_BUFFER
 from .cost import CPU_GBPS, HBM_UTIL, MFU, OUTPUT_TOKENS
 
-__all__ = ["CATS", "SHRINKS", "Plan", "Plans"]
+__all__ = ["CATS", "SHRINKS", "shrinks", "Plan", "Plans"]
 
 CATS = ("parameters", "gradients", "optimizer", "activations", "kv_cache", "other", "allocator")
-# what shrinks each category, for the answer when nothing fits
+# what shrinks each category, for the answer when nothing fits: (what, the lever and value that mean the
+# closest plan already uses it, or None)
 SHRINKS = {
-    "parameters": "more GPUs to shard the weights over (ZeRO-3/FSDP, tensor or pipeline parallelism), "
-                  "weights in 8 or 4 bits (task qlora; serving), or parameter offload with more host memory",
-    "gradients": "the optimizer step fused into backward, ZeRO-2 over more GPUs, or offload",
-    "optimizer": "8-bit or paged optimizer state, ZeRO-1 over more GPUs, or optimizer offload",
-    "activations": "a smaller micro-batch or sequence, full recomputation, activation offload, or tensor "
-                   "parallelism (sequence-parallel activations)",
-    "kv_cache": "fewer concurrent sequences, an 8-bit cache, or more GPUs (tensor parallelism)",
-    "other": "chunked cross-entropy (the logits' gradient), a smaller micro-batch",
-    "allocator": "a smaller micro-batch (the allocator's blocks follow the largest tensors)",
-    "host": "more host memory (host_memory=, --host-mem), or a plan that offloads less",
+    "parameters": [("more GPUs to shard the weights over (ZeRO-3/FSDP, tensor or pipeline parallelism)", None),
+                   ("weights in 8 or 4 bits (task qlora; serving)", ("weights", "nf4")),
+                   ("parameter offload with more host memory", ("offload", "parameters"))],
+    "gradients": [("the optimizer step fused into backward", ("fused_step", True)),
+                  ("ZeRO-2 over more GPUs", None), ("optimizer offload", ("offload", "optimizer"))],
+    "optimizer": [("8-bit or paged optimizer state", ("optimizer", ("adamw-8bit", "paged-adamw-8bit"))),
+                  ("ZeRO-1 over more GPUs", None), ("optimizer offload", ("offload", "optimizer"))],
+    "activations": [("a smaller micro-batch or sequence", ("micro_batch", 1)),
+                    ("full recomputation", ("recompute", True)), ("activation offload", ("activation_offload", True)),
+                    ("tensor parallelism (sequence-parallel activations)", None)],
+    "kv_cache": [("fewer concurrent sequences", None), ("an 8-bit cache", ("kv_dtype", "int8")),
+                 ("more GPUs (tensor parallelism)", None)],
+    "other": [("chunked cross-entropy (the logits' gradient)", ("chunked_ce", True)),
+              ("a smaller micro-batch", ("micro_batch", 1))],
+    "allocator": [("a smaller micro-batch (the allocator's blocks follow the largest tensors)", ("micro_batch", 1))],
+    "host": [("more host memory (host_memory=, --host-mem)", None), ("a plan that offloads less", None)],
 }
+
+
+def shrinks(category, levers=None):
+    """What would shrink `category`, less what a plan with `levers` already uses, as one phrase."""
+    levers = levers or {}
+    ways = [what for what, used in SHRINKS[category]
+            if used is None or levers.get(used[0]) not in (used[1] if isinstance(used[1], tuple) else (used[1],))]
+    if not ways:
+        return "nothing this plan does not use already"
+    return ways[0] if len(ways) == 1 else ", ".join(ways[:-1]) + " or " + ways[-1]
 
 
 @dataclasses.dataclass
@@ -95,13 +112,13 @@ class Plans(list):
             closest = min(on_card, key=lambda p: (p.host_bytes, p.counted_bytes))
             return (f"nothing fits: every plan that fits the card needs more host memory; the closest, "
                     f"{', '.join(closest.techniques)}, needs {fmt_bytes(closest.host_bytes)} of host memory, "
-                    f"{fmt_bytes(q['host_memory'])} available. What would help: {SHRINKS['host']}.")
+                    f"{fmt_bytes(q['host_memory'])} available. What would help: {shrinks('host')}.")
         closest = min(self, key=lambda p: (p.counted_bytes, p.host_bytes))
         worst = max((c for c in CATS if c != "allocator"), key=lambda c: closest.parts.get(c, 0))
         return (f"nothing fits: the smallest peak found is {fmt_bytes(closest.counted_bytes)} per GPU against "
                 f"{fmt_bytes(closest.budget)} usable ({fmt_bytes(closest.counted_bytes - closest.budget)} over), "
-                f"with {', '.join(closest.techniques)}; it {closest.why}; its largest category is {worst} "
-                f"({fmt_bytes(closest.parts[worst])}). What would shrink {worst}: {SHRINKS[worst]}.")
+                f"with {', '.join(closest.techniques)}; it is {closest.why}; its largest category is {worst} "
+                f"({fmt_bytes(closest.parts[worst])}). What would shrink {worst}: {shrinks(worst, closest.levers)}.")
 
     def table(self, rows=10):
         """The ranked plans as text: the first `rows` distinct ones, the answer when nothing fits, the

@@ -18,13 +18,15 @@ from .plans import CATS, Plan, why_not
 from .serving import BLOCK_SIZE, kv_bytes
 from .shapes import linears
 
-__all__ = ["DTYPES", "RECOMPUTE", "RANKS", "TARGET_SETS", "LEVERS", "layouts", "micro_batches", "choose",
+__all__ = ["DTYPES", "RECOMPUTE", "RANKS", "TARGET_SETS", "LEVERS", "VALUES", "COUNTS", "check_levers", "layouts",
+           "micro_batches", "choose",
            "train_plans", "adapter_plans", "serve_plans"]
 
 RECOMPUTE = {False: "no recompute", "selective": "selective recompute", True: "full recompute"}
 DTYPES = {"fp32": "fp32", "amp-bf16": "autocast bf16", "mixed": "bf16 + fp32 master (mixed)",
           "bf16": "pure bf16 (no fp32 master: quality risk)"}
-OPT_NAMES = {"adamw": "AdamW", "adamw-8bit": "8-bit AdamW", "paged-adamw-8bit": "paged 8-bit AdamW"}
+OPT_NAMES = {"adamw": "AdamW", "adamw-8bit": "8-bit AdamW", "paged-adamw-8bit": "paged 8-bit AdamW",
+             "paged-adamw": "paged AdamW"}
 CE_NAMES = {False: "", True: "chunked cross-entropy", "output": "chunked output loss"}
 # LoRA's rank and targets decide what the adapters can learn, not only their bytes: the search does not
 # trade them away for speed; unless plan(..., levers=) fixes them, every plan adapts all linear layers
@@ -40,6 +42,48 @@ LEVERS = {
                 "quantized_saves_input"),
     "serve": ("weights", "kv_dtype", "tp", "replicas", "block_size"),
 }
+
+
+# the values a fixed lever may take (plan(..., levers=)); integers >= 1 and the targets are checked apart
+VALUES = {"dtype": tuple(DTYPES), "optimizer": tuple(OPT_NAMES), "fused_step": (False, True),
+          "recompute": tuple(RECOMPUTE), "activation_offload": (False, True), "chunked_ce": tuple(CE_NAMES),
+          "attention": ("sdpa", "eager"), "zero": (0, 1, 2, 3), "offload": (None, "optimizer", "parameters"),
+          "weights": ("bf16", "int8", "nf4"), "shard_base": (False, True), "adapter_dtype": ("fp32", "bf16"),
+          "quantized_saves_input": (False, True), "kv_dtype": ("bf16", "int8")}
+COUNTS = ("dp", "tp", "pp", "micro_batch", "grad_accum", "rank", "replicas", "block_size")
+
+
+def check_levers(kind, levers, gpus=1, task=None):
+    """The levers plan(..., levers=) fixes, checked for a plan of `kind` ("train", "adapter", "serve"; `task`
+    names it in errors): each a lever of that kind with a value the search can price, else a ValueError naming
+    the lever and the value."""
+    from .adapters import check_targets
+    if levers is None:
+        return {}
+    if not isinstance(levers, dict):
+        raise ValueError(f"levers must be a dict of lever -> value, got {levers!r}")
+    fix = dict(levers)
+    unknown = sorted(set(fix) - set(LEVERS[kind]))
+    if unknown:
+        raise ValueError(f"levers {unknown} are not levers of a {task or kind} plan; these are: "
+                         f"{', '.join(LEVERS[kind])}")
+    for name, value in fix.items():
+        if name in VALUES and not any(value is v or (value == v and type(value) is type(v)) for v in VALUES[name]):
+            raise ValueError(f"levers[{name!r}] must be one of {VALUES[name]}, got {value!r}")
+        if name in COUNTS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"levers[{name!r}] must be an int >= 1, got {value!r}")
+    if "targets" in fix:
+        fix["targets"] = check_targets(fix["targets"])
+    dropout = fix.get("lora_dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"levers['lora_dropout'] must be a probability in [0, 1), got {dropout!r}")
+    if kind == "adapter" and fix.get("dp", gpus) != gpus:
+        raise ValueError(f"levers['dp'] must be gpus={gpus} for a LoRA/QLoRA plan (data-parallel over every GPU), "
+                         f"got {fix['dp']!r}")
+    if kind == "train" and fix.get("offload") == "parameters" and fix.get("zero", 3) != 3:
+        raise ValueError(f"levers offload='parameters' needs zero=3 (it offloads ZeRO-3's weight partitions), "
+                         f"got zero={fix['zero']!r}")
+    return fix
 
 
 def choose(ctx, name, searched):
@@ -120,6 +164,8 @@ def train_plans(ctx, pretrain=False):
             if batch % (dp * mb):
                 continue
             accum = batch // (dp * mb)
+            if fix.get("grad_accum", accum) != accum:
+                continue
             frag = ctx["fragmentation"]
             for dtype, (offload, zero), rc, act, ce in itertools.product(
                     choose(ctx, "dtype", DTYPES), combos, choose(ctx, "recompute", RECOMPUTE),
@@ -136,7 +182,7 @@ def train_plans(ctx, pretrain=False):
                             continue
                         est = training_step(shape, mb, seq, dtype, opt, rc, False, accum > 1 and dtype == "mixed",
                                             "cuda", layout, fused_step=fused, chunked_ce=ce, attention=attention,
-                                            activation_offload=act)
+                                            activation_offload=act, accumulate=accum > 1)
                         levers = dict(dtype=dtype, optimizer=opt, fused_step=fused, recompute=rc,
                                       activation_offload=act, chunked_ce=ce, attention=attention, dp=dp, zero=zero,
                                       tp=tp, pp=pp, offload=offload, micro_batch=mb, grad_accum=accum)
@@ -197,6 +243,8 @@ def adapter_plans(ctx, quantized):
         if batch % (gpus * mb):
             continue
         accum = batch // (gpus * mb)
+        if ctx["fix"].get("grad_accum", accum) != accum:
+            continue
         frag = ctx["fragmentation"]
         for rc, act, ce in itertools.product(choose(ctx, "recompute", RECOMPUTE),
                                              choose(ctx, "activation_offload", (False, True)),
@@ -204,7 +252,7 @@ def adapter_plans(ctx, quantized):
             if act and rc is not True and "activation_offload" not in ctx["fix"]:
                 continue                                # as for full training: with full recomputation
             est = training_step(shape, mb, seq, "bf16", None, rc, False, False, "cuda", None, chunked_ce=ce,
-                                attention=ctx["attention"], activation_offload=act)
+                                attention=ctx["attention"], activation_offload=act, frozen=True)
             for weights, rank, tgt, opt, shard, adapter_dtype, dropout in itertools.product(
                     choose(ctx, "weights", ("nf4", "int8") if quantized else ("bf16",)), choose(ctx, "rank", RANKS),
                     targets, choose(ctx, "optimizer", ("adamw", "adamw-8bit")),
@@ -234,20 +282,25 @@ def adapter_plan(ctx, est, levers, frag):
         frozen_base_saving(s)
     if levers.get("quantized_saves_input"):            # bitsandbytes < 0.44 (labkit.plan.quantized_input_bytes)
         delta += quantized_input_bytes(s, tgt, 2, levers["adapter_dtype"])
-    layers = s["L"] if rc in (False, "selective") else 1
-    if levers["activation_offload"] and rc in (False, "selective"):
-        layers = min(2, s["L"])
+    # layers whose adapters keep their activations as backward starts: all (or those in flight under
+    # activation offload); none with full recomputation, where only the recomputed one holds them
+    kept = 0 if rc is True else min(2, s["L"]) if levers["activation_offload"] else s["L"]
     tokens_mb = mb * seq
     largest = max(a * b for a, b in linears(s).values())
     dequant = 2 * 2 * largest if weights != "bf16" else 0         # a dequantized 16-bit matrix (and its transpose)
     best = None
     for name, m in est.moments.items():
+        # the adapters' gradients: all of them in the optimizer step and once a layer's backward has run;
+        # as backward starts, only those of earlier micro-batches
+        m = dict(m, parameters=base + aw / split, optimizer=ao / split,
+                 gradients=ag / split if name != "start of backward" or accum > 1 else 0)
         if name == "optimizer step":
-            m = dict(m, activations=0, other=0)
-        m = dict(m, parameters=base + aw / split, gradients=ag / split, optimizer=ao / split)
-        if m["activations"]:
-            m["activations"] += tokens_mb * layers * delta
+            m.update(activations=0, other=0)
+        elif name == "recomputation":           # one layer recomputed, a base matrix dequantized in its backward
+            m["activations"] += tokens_mb * delta
             m["other"] += dequant
+        else:
+            m["activations"] += tokens_mb * kept * delta
         if best is None or sum(m.values()) > sum(best.values()):
             best = m
     tokens = ctx["batch"] * seq
@@ -291,16 +344,17 @@ def serve_plans(ctx):
         users = -(-batch // replicas)                    # sequences per replica
         prefill = estimate(cfg, batch=1, seq=seq, dtype="bf16", training=False, method="formula", tp=tp)
         kv_share = max(1, s["kv"] // tp) / s["kv"]
-        for weights, kv_dtype in itertools.product(choose(ctx, "weights", ("bf16", "int8", "nf4")),
-                                                   choose(ctx, "kv_dtype", ("bf16", "int8"))):
-            kv = kv_bytes(cfg, users, seq, kv_dtype) * kv_share
+        for weights, kv_dtype, block in itertools.product(choose(ctx, "weights", ("bf16", "int8", "nf4")),
+                                                          choose(ctx, "kv_dtype", ("bf16", "int8")),
+                                                          choose(ctx, "block_size", (BLOCK_SIZE,))):
+            kv = kv_bytes(cfg, users, seq, kv_dtype, block) * kv_share
             w = quantized_weight_bytes(cfg, weights) / tp
             parts = dict(parameters=w, kv_cache=kv, activations=prefill.peak_parts["activations"],
                          other=prefill.peak_parts["other"])
             flop_rate = g["bf16_flops"] * MFU
             cost = {"prefill": (2 * P / tp * users * prompt + attention_flops(s, prompt, users * prompt) / 3 / tp)
                     / flop_rate}
-            kv_mid = kv_bytes(cfg, users, prompt + OUTPUT_TOKENS // 2, kv_dtype) * kv_share
+            kv_mid = kv_bytes(cfg, users, prompt + OUTPUT_TOKENS // 2, kv_dtype, block) * kv_share
             step = max((w + kv_mid) / (g["hbm_bps"] * HBM_UTIL), 2 * P / tp * users / flop_rate)
             cost["decode"] = OUTPUT_TOKENS * step
             if weights != "bf16":
@@ -309,8 +363,8 @@ def serve_plans(ctx):
                 cost["comm"] = OUTPUT_TOKENS * 2 * s["L"] * 2 * (tp - 1) / tp * users * s["h"] * 2 / link_bps(g, gpus)
             tps = users * replicas * OUTPUT_TOKENS / sum(cost.values())
             tech = [{"bf16": "bf16 weights", "int8": "int8 weights", "nf4": "NF4 weights"}[weights],
-                    f"{'bf16' if kv_dtype == 'bf16' else '8-bit'} paged KV (blocks of {BLOCK_SIZE})"]
+                    f"{'bf16' if kv_dtype == 'bf16' else '8-bit'} paged KV (blocks of {block})"]
             tech += [f"tp={tp}"] * (tp > 1) + [f"{replicas} replicas"] * (replicas > 1)
-            levers = dict(weights=weights, kv_dtype=kv_dtype, tp=tp, replicas=replicas, block_size=BLOCK_SIZE)
+            levers = dict(weights=weights, kv_dtype=kv_dtype, tp=tp, replicas=replicas, block_size=block)
             out.append(_finish(ctx, parts, frag, levers, tech, cost, tokens_per_s=tps))
     return out

@@ -12,22 +12,30 @@ fake tensors can run, under `lk.track`. What runs here and what does not:
                  cross-entropy (labkit.kernels, notebook 12; or torchtune's chunked output), the optimizer step
                  fused into backward (one AdamW per parameter stepped in a post-accumulate-grad hook: PyTorch's
                  tutorial, torchtune's optimizer_in_bwd), micro-batches with gradient accumulation, ZeRO-Offload's
-                 gradients streamed to the host as backward makes them; ZeRO-2/3 and a sharded frozen base as one
+                 (and parameter offload's) gradients streamed to the host as backward makes them; ZeRO-2/3 and a
+                 sharded frozen base as one
                  rank of FSDP2 over a fake process group, counted by PyTorch's own `FSDPMemTracker`
                  (torch.distributed._tools: torchtitan's memory estimator does the same)
     formulas     8-bit and paged optimizer state (bitsandbytes has no fake-tensor kernels: the step runs AdamW and
                  the state is the formula's; `measure` on real tensors runs bitsandbytes itself), int8/NF4 weights
-                 (run as bf16, their bytes the formula's), an 8-bit KV cache and paged blocks, ZeRO-1, parameter
-                 offload, tensor and pipeline parallelism (one rank of those is not run: nothing is measured),
-                 the allocator's share (only a GPU measures it)
+                 (run as bf16, their bytes the formula's), an 8-bit KV cache and paged blocks, ZeRO-1, what
+                 parameter offload keeps on the host (its weights, gradients and state: the formula's), tensor and
+                 pipeline parallelism (one rank of those is not run: nothing is measured), the allocator's share
+                 (only a GPU measures it), and how much of a paged state stays resident (what the card leaves
+                 beside the measured step; `Verification.gap` compares what PyTorch's allocator serves)
 
 PyTorch's other tools in torch.distributed._tools: `MemTracker` counts the same unsharded step beside lk.track
 when asked (`torch_tracker=True`: it revisits every module's books on every op, minutes for a 7B step);
 `RuntimeEstimator` prices the step's ops by a roofline at the GPU's peak (`runtime=True`; it reads a CUDA GPU's
 peak FLOP/s and bandwidth, so it runs where one is present) beside the planner's compute seconds. Its
 `SACEstimator` and the integer program that picks what selective checkpointing saves (`sac_ilp.sac_milp`) are not
-used: the estimator's runtimes come from RuntimeEstimator (CUDA again) and the program needs the `pulp` solver,
-which neither this environment nor the GPU image installs; a plan's "selective" is measured as run.
+used, for reasons read in torch 2.13's source: SACEstimator must run under FakeTensorMode and prices every op it
+sees with RuntimeEstimator, whose roofline (`_roofline_estimate`, the default) raises unless
+`torch.cuda.is_available()` and whose benchmark mode times each op with CUDA events, so without a CUDA GPU it
+stops at the first op; `sac_ilp` imports `pulp` when it is imported (an ImportError without it), and the
+per-module trade-off curves the program reads come from `ilp_utils.aggregate_stats`, which fits them with
+`pwlf` (`SACEstimator.pwlf_sac_tradeoff_curve`). So the program needs a CUDA GPU, pulp and pwlf; neither
+package is in labkit/lock.txt (this environment or the GPU image). A plan's "selective" is measured as run.
 
 Micro-batches after the second repeat the second one (the same tensors are alive), so at most two run. The
 optimizer state is made before the measured step (AdamW on zero gradients), so one step shows the steady state.
@@ -79,6 +87,8 @@ class Verification:
     notes: list
     seconds: float
     allocator: int = 0         # the planner's allocator share (formula on both sides)
+    paged: tuple = (0, 0)      # a paged optimizer's state resident on the card: (plan, beside the measured step)
+    paged_host: int = 0        # the rest of that state, on the host (the plan's)
 
     @property
     def formula_peak(self):
@@ -90,8 +100,12 @@ class Verification:
 
     @property
     def gap(self):
-        """measured / formula - 1 of the live bytes at the peak (None when nothing was measured)."""
-        return None if self.measured is None else self.measured_peak / self.formula_peak - 1
+        """measured / formula - 1 of what PyTorch's allocator serves at the peak (the live bytes, a paged
+        optimizer's state apart: it lives outside the allocator and fills what the card leaves, so both sides
+        would reach the card's size); None when nothing was measured."""
+        if self.measured is None:
+            return None
+        return (self.measured_peak - self.paged[1]) / (self.formula_peak - self.paged[0]) - 1
 
     def table(self):
         lines = [f"verify: {self.model}, {self.task}: {', '.join(self.techniques)}",
@@ -102,6 +116,13 @@ class Verification:
                 lines.append(f"{c:<12} {fmt_bytes(f):>15} {fmt_bytes(m) if m is not None else '-':>12}  {self.source.get(c, '')}")
         if self.measured is None:
             lines.append(f"{'peak':<12} {fmt_bytes(self.formula_peak):>15} {'-':>12}  not measured")
+        elif any(self.paged):
+            f, m = self.formula_peak - self.paged[0], self.measured_peak - self.paged[1]
+            lines.append(f"{'served':<12} {fmt_bytes(f):>15} {fmt_bytes(m):>12}  gap {self.gap:+.1%} (what PyTorch's "
+                         f"allocator serves: live bytes, the paged state apart; + its own {fmt_bytes(self.allocator)} "
+                         f"by formula)")
+            lines.append(f"{'paged state':<12} {fmt_bytes(self.paged[0]):>15} {fmt_bytes(self.paged[1]):>12}  resident: "
+                         f"what the card leaves of {fmt_bytes(self.paged[0] + self.paged_host)} (formula)")
         else:
             lines.append(f"{'peak':<12} {fmt_bytes(self.formula_peak):>15} {fmt_bytes(self.measured_peak):>12}  "
                          f"gap {self.gap:+.1%} (live bytes; + the allocator's {fmt_bytes(self.allocator)} by formula)")
@@ -146,9 +167,22 @@ def verify(plans, index=0, config=None, max_micro_batches=2, torch_tracker=False
     if runtime and "compute" in top.cost:
         tools["the planner's compute seconds (its GPU, at MFU " + str(_mfu()) + ")"] = f"{top.cost['compute']:.2f} s"
     formula = {c: int(top.parts.get(c, 0)) for c in CATS}
+    allocator = int(top.parts.get("allocator", 0))
+    # a paged optimizer's state (outside PyTorch's allocator) stays resident as far as the card has room beside
+    # what the allocator serves (labkit.plan.paged_optimizer): the plan's share, and the share the measured
+    # step leaves (the measured side took the plan's; it is recomputed here)
+    paged, paged_host = (0, 0), int(top.host.get("paged", 0))
+    resident = int(top.peak_bytes - top.counted_bytes)
+    if measured is not None and (resident or paged_host):
+        served = sum(measured.values()) - resident + allocator
+        now = max(0, min(resident + paged_host, top.budget - served))
+        measured["optimizer"] += now - resident
+        paged = (resident, now)
+        source["optimizer"] += "; resident: what the card leaves"
     return Verification(model=str(q["model"]), task=q["task"], techniques=list(top.techniques), levers=dict(top.levers),
                         formula=formula, measured=measured, source=source, formula_only=only, tools=tools,
-                        notes=notes, seconds=time.perf_counter() - start, allocator=int(top.parts.get("allocator", 0)))
+                        notes=notes, seconds=time.perf_counter() - start, allocator=allocator, paged=paged,
+                        paged_host=paged_host)
 
 
 CHOICES = dict(dtype=("fp32", "amp-bf16", "mixed", "bf16"), recompute=(False, True, "selective"),
@@ -399,8 +433,13 @@ class Step:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.mixed = lv.get("dtype") == "mixed"
         self.accumulate = lv.get("grad_accum", 1) > 1
-        self.offload = lv.get("offload") == "optimizer"          # ZeRO-Offload on one GPU: Adam on the host
+        # ZeRO-Offload on one GPU: Adam on the host, each gradient sent there as backward makes it; parameter
+        # offload (ZeRO-Infinity) does the same with its gradients (its weights' bytes are the formula's)
+        self.offload = lv.get("offload") in ("optimizer", "parameters")
         self.host_grads, self.host_adam = {}, None
+        if lv.get("offload") == "parameters" and not self.fake:
+            raise NotImplementedError("offload='parameters' keeps the weights on the host, which this step does not "
+                                      "do on real tensors: it is measured on fake tensors, its weights by formula")
         if self.offload and not self.fake:
             from ..offload import HostAdam
             if any(p.dtype != torch.float32 for p in self.params):
@@ -409,7 +448,7 @@ class Step:
             self.host_adam = HostAdam(self.params, lr=lr)
         # fp32 master weights for "mixed" (on the host, with Adam, under ZeRO-Offload)
         self.masters = {p: p.detach().float() for p in self.params} if self.mixed and not self.offload else {}
-        self.moved = 0
+        self.moved, self.tracker = 0, None
         self.opts = {} if self.offload else {p: self.optimizer([self.masters.get(p, p)]) for p in self.params}
         if opt_state:                              # the state exists before the measured step: a steady step
             for p, opt in self.opts.items():
@@ -435,6 +474,8 @@ class Step:
         """ZeRO-Offload: the gradient leaves the device as soon as backward has made it; on real tensors the host
         sums the micro-batches' gradients in numpy and labkit.offload.HostAdam updates there (notebook 04)."""
         self.moved += p.grad.numel() * p.grad.element_size()
+        if self.tracker is not None:               # a gradient, while it lives (not "other"): what leaves the
+            self.tracker.label(p.grad, "gradients")    # device is the formula's, so it is not counted twice
         if not self.fake:
             from ..offload import to_host
             g = to_host(p.grad)[0].view(np.float32)
@@ -518,7 +559,11 @@ class Step:
         from ..memory import track
         with track(self.model, *self.opts.values()) as mem:
             mem.label(list(self.masters.values()), "optimizer")
-            yield mem
+            self.tracker = mem
+            try:
+                yield mem
+            finally:
+                self.tracker = None
 
     def runtime(self, ids, runs):
         """torch's RuntimeEstimator around one more step of these fake tensors: each op priced by a roofline at this

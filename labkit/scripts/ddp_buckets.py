@@ -41,6 +41,8 @@ def loss_of(model, ids):
 def timed_backward(model, ids, after=None):
     """Seconds from the start of backward until every gradient is averaged: the forward runs untimed first."""
     loss = loss_of(model, ids)
+    if loss.is_cuda:
+        torch.cuda.synchronize()                    # the forward's kernels finish before the clock starts
     dist.barrier()                                  # both ranks start backward together
     t0 = time.perf_counter()
     loss.backward()

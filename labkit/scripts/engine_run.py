@@ -69,6 +69,19 @@ def gpu_free(on_gpu):
     return torch.cuda.mem_get_info()[0]
 
 
+def tensorrt_precision(version, fp16):
+    """The precision keyword for torch_tensorrt.compile, by Torch-TensorRT's version. From 2.10 on: {}. Engines
+    are strongly typed by default there (each layer runs in the dtype of the model's own tensors, so an fp16
+    engine is built from an fp16 model); 2.10-2.12 refuse enabled_precisions={torch.half} beside that, 2.13
+    ignores it on the dynamo path. Before 2.10 (weak typing): enabled_precisions={torch.half}, so that
+    TensorRT may pick fp16 kernels."""
+    import re
+
+    import torch
+    major, minor = (int(n) for n in re.findall(r"\d+", version)[:2])
+    return {"enabled_precisions": {torch.half}} if fp16 and (major, minor) < (2, 10) else {}
+
+
 def prepare(engine, pixels, args, workdir):
     """The engine's callable, its input, and the file it runs from (None for eager and inductor)."""
     shape = f"{args.model}-b{args.batch}-i{args.image}"
@@ -89,7 +102,7 @@ def prepare(engine, pixels, args, workdir):
     from labkit import engines
     model = engines.build(args.model).to(args.device)
     x = torch.from_numpy(pixels).to(args.device)
-    if args.fp16 and engine != "tensorrt":     # TensorRT takes fp32 weights and builds fp16 kernels
+    if args.fp16:                              # fp16 weights and input, TensorRT's too: it keeps the model's types
         model, x = model.half(), x.half()
     if engine == "eager":
         return model, x, None
@@ -105,9 +118,8 @@ def prepare(engine, pixels, args, workdir):
         # in the PyTorch organisation. NVIDIA-AI-IOT's torch2trt(model, [x], fp16_mode=True,
         # max_workspace_size=1 << 30) is a separate, older converter.
         import torch_tensorrt
-        precisions = {torch.half} if args.fp16 else {torch.float}
-        compiled = torch_tensorrt.compile(model, ir="dynamo", inputs=[x], enabled_precisions=precisions,
-                                          workspace_size=1 << 30)
+        compiled = torch_tensorrt.compile(model, ir="dynamo", inputs=[x], workspace_size=1 << 30,
+                                          **tensorrt_precision(torch_tensorrt.__version__, args.fp16))
         path = workdir / f"{args.tag}.ep"
         torch_tensorrt.save(compiled, str(path), inputs=[x])
         return compiled, x, path

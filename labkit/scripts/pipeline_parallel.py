@@ -5,8 +5,9 @@ last), the layers cut so that every stage does about the same forward FLOPs: the
 two decoder layers here, so the last stage gets fewer layers. Rank 0 first counts each block's forward
 and backward FLOPs (FlopCounterMode). For each schedule and number of micro-batches m, every rank runs
 a warm-up step and then a recorded step with the same stage and schedule objects, logging when its
-stage ran each forward and backward chunk, in the order the schedule chose, and its peak memory; the
-last rank checks the loss against the unsplit model.
+stage ran each forward and backward chunk, in the order the schedule chose (on a GPU, CUDA events on the
+stream the chunks run on: the host's clock would time kernel launches), and its peak memory; the last rank
+checks the loss against the unsplit model.
 """
 import functools
 import time
@@ -83,14 +84,37 @@ def block_flops(model, ids):
     return out                                                       # the embedding: a lookup, 0 FLOPs
 
 
-def timed(stage, events):
+class Clock:
+    """Timestamps of work on `dev`: the host's clock on a CPU; on a GPU, CUDA events recorded on the stream the
+    chunks run on (a kernel launch returns at once, so the host's clock would time the launches), read as
+    seconds after `synchronize()`."""
+
+    def __init__(self, dev):
+        self.cuda = dev.type == "cuda"
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, stamps, origin):
+        """`stamps` as seconds since `origin` (all taken by `now`)."""
+        if not self.cuda:
+            return [t - origin for t in stamps]
+        torch.cuda.synchronize()
+        return [origin.elapsed_time(t) / 1e3 for t in stamps]
+
+
+def timed(stage, events, clock):
     """Record (kind, chunk, start, end) of each forward and backward chunk this stage runs."""
     for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
         original = getattr(stage, name)
         def wrapper(chunk, *args, _original=original, _kind=kind, **kwargs):
-            t0 = time.perf_counter()
+            t0 = clock.now()
             out = _original(chunk, *args, **kwargs)
-            events.append((_kind, chunk, t0, time.perf_counter()))
+            events.append((_kind, chunk, t0, clock.now()))
             return out
         setattr(stage, name, wrapper)
 
@@ -99,24 +123,29 @@ def run_schedule(cls, m, module, ids, rank, world, dev):
     """One warm-up step, then one recorded step, with the same stage and schedule: what training does."""
     stage = PipelineStage(module, rank, world, dev)
     schedule = cls(stage, n_microbatches=m, loss_fn=loss_fn)
-    events = []
-    timed(stage, events)
+    events, clock = [], Clock(dev)
+    timed(stage, events, clock)
     for step in ("warm-up", "recorded"):
         events.clear()
         losses = []
         module.zero_grad(set_to_none=True)
+        if clock.cuda:
+            torch.cuda.synchronize()
         dist.barrier()                                  # every rank starts the step together
         with lk.track(module) as mem:
-            t0 = time.perf_counter()
+            t0 = clock.now()
             if rank == 0:
                 schedule.step(ids)
             elif rank == world - 1:
                 schedule.step(target=ids, losses=losses)
             else:
                 schedule.step()
-            t1 = time.perf_counter()
-    return dict(schedule=cls.__name__.removeprefix("Schedule"), m=m, rank=rank, start=t0, total=t1 - t0,
-                busy=sum(e - s for _, _, s, e in events), events=[(k, c, s - t0, e - t0) for k, c, s, e in events],
+            t1 = clock.now()
+    starts = clock.seconds([s for _, _, s, _ in events], t0)
+    ends, (total,) = clock.seconds([e for *_, e in events], t0), clock.seconds([t1], t0)
+    return dict(schedule=cls.__name__.removeprefix("Schedule"), m=m, rank=rank, total=total,
+                busy=sum(e - s for s, e in zip(starts, ends)),
+                events=[(k, c, s, e) for (k, c, *_), s, e in zip(events, starts, ends)],
                 peak=mem.peak, peak_activations=mem.max_parts["activations"],
                 loss=torch.stack(losses).mean().item() if losses else None)
 

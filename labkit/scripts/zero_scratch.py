@@ -20,10 +20,11 @@ from labkit.launch import finish, init, progress, write_result
 
 GLOBAL_BATCH, SEQ, STEPS, LR = 4, 64, 3, 1e-3
 # fp32 on both sides; only the order of the sums differs (each rank sums half the batch, then the
-# ranks' halves are added), about 1e-7 relative on the gradients. Adam's update is about lr * g / |g|:
-# where a gradient is near zero that ulp difference can flip its sign and move an element by up to 2 lr
-# per step, so weights are held to atol = lr only as a bound the printed errors stay far below; what
-# catches a wrong or skipped step is the losses, which every step changes, held to 1e-5.
+# ranks' halves are added), about 1e-7 relative on the gradients. Adam's first step moves a weight by
+# lr * g / (|g| + eps), eps = 1e-8: a last-bit difference in g matters only where it flips g's sign, at
+# gradients within rounding of zero, and the two runs' steps then differ by 2 lr |g| / (|g| + eps), at most
+# lr while |g| <= eps. So weights are held to atol = lr (the printed errors stay far below it); what catches
+# a wrong or skipped step is the losses, which every step changes, held to 1e-5.
 LOSS_TOL, PARAM_TOL = 1e-5, dict(rtol=1e-4, atol=LR)
 DEVICE = [torch.device("cpu")]          # this rank's device, set by main() (NCCL ranks each have a GPU)
 

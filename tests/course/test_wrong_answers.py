@@ -1295,6 +1295,10 @@ WRONG = {
             def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
                 return (2 * params + 2 * params) / (pcie_bps / 2) + 2 * 16 * params / cpu_bps
             """),
+        ("13-ex2", "the weights brought back every micro-batch, not once per step", """
+            def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
+                return (2 * params * accum + 2 * params * accum) / (pcie_bps / 2) + 2 * 16 * params / cpu_bps
+            """),
         ("13-ex2", "fp32 gradients and weights over PCIe", """
             def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
                 return (4 * params * accum + 4 * params) / (pcie_bps / 2) + 2 * 16 * params / cpu_bps

@@ -14,7 +14,7 @@ estimate_pkg = importlib.import_module("labkit.estimate")
 Parallel = estimate_pkg.Parallel
 PACKAGE = pathlib.Path(estimate_pkg.__file__).parent
 # each module imports only the ones after it in this list (the arrows point down)
-LAYERS = ["__init__", "measured", "fake", "step", "formulas", "levers", "sharding", "config", "checks"]
+LAYERS = ["__init__", "measured", "fake", "step", "formulas", "levers", "sharding", "config"]
 
 NO_TORCH = """
 import importlib, sys, types

@@ -24,7 +24,7 @@ pickles and `lk.exercise(forbid=[labkit.estimate])` name the path a user imports
 """
 from __future__ import annotations
 
-from .checks import count, flag
+from ..checks import count, flag
 from .config import FAMILIES, build_model, load_config, model_class, model_shape
 from .fake import fake_estimate
 from .formulas import (CATS, DTYPES, OPTIMIZERS, Estimate, activation_bytes_per_token, device_type, dtype_bytes,

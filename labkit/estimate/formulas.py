@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..units import fmt_bytes, parse_bytes
-from .checks import count
+from ..checks import count
 from .config import build_model, get, load_config, model_shape
 from .levers import (ATTENTIONS, CE_CHUNK, OUTPUT_CHUNKS, eager_score_bytes, fused_step_moments,  # noqa: F401
                      layer_backward_bytes, loss_terms, offloaded_activations)                  # (CE_CHUNK: verify)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .checks import count
+from ..checks import count
 
 __all__ = ["Parallel", "ZERO_STAGES", "OFFLOADS", "as_parallel", "make_layout", "check_layout", "divisors", "shard", "per_rank",
            "gathered", "move_to_host", "parallel_note"]

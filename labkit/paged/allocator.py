@@ -7,26 +7,21 @@ the block back when none is left. Freeing a block nobody owns is a scheduler bug
 """
 import numbers
 
-__all__ = ["BlockAllocator", "OutOfBlocks", "positive_int"]
+from ..checks import count
+
+__all__ = ["BlockAllocator", "OutOfBlocks"]
 
 
 class OutOfBlocks(RuntimeError):
     """Every physical block is in use."""
 
 
-def positive_int(name, value):
-    """`value` as an int if it is an integer >= 1 (numpy's too; not a bool), else a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
 class BlockAllocator:
     """A free list of `num_blocks` physical blocks and a reference count for each."""
 
     def __init__(self, num_blocks, block_size=16):
-        self.num_blocks = positive_int("num_blocks", num_blocks)
-        self.block_size = positive_int("block_size", block_size)
+        self.num_blocks = count("num_blocks", num_blocks)
+        self.block_size = count("block_size", block_size)
         self.free_list = list(range(self.num_blocks - 1, -1, -1))   # pop() hands out 0, 1, 2, ...
         self.ref_count = [0] * self.num_blocks                      # owners of each block
 

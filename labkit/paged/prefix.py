@@ -14,7 +14,8 @@ Two rules of vLLM's that a first reading can skip:
 """
 import collections
 
-from .allocator import BlockAllocator, OutOfBlocks, positive_int
+from ..checks import count
+from .allocator import BlockAllocator, OutOfBlocks
 from .tables import BlockTables, as_token_ids
 
 __all__ = ["block_hashes", "PrefixCachingAllocator", "PrefixCachingTables"]
@@ -26,7 +27,7 @@ def block_hashes(token_ids, block_size, parent=None):
     The first block's previous hash is `parent` (None). Chaining makes a hash name a block's tokens AND
     everything before them: the same tokens after another prefix have other keys and values.
     """
-    block_size = positive_int("block_size", block_size)
+    block_size = count("block_size", block_size)
     ids = as_token_ids(token_ids, "token_ids")
     hashes = []
     for start in range(0, len(ids) - block_size + 1, block_size):

@@ -1,4 +1,4 @@
-"""Argument checks shared by the estimate's modules: errors that name the argument and the value."""
+"""Argument checks for all of labkit: errors that name the argument and the value, before any work is done."""
 from __future__ import annotations
 
 import operator
@@ -6,7 +6,7 @@ import operator
 __all__ = ["count", "flag"]
 
 
-def count(name, value, minimum):
+def count(name, value, minimum=1):
     """An int >= minimum (numpy integers welcome), else a ValueError naming the argument."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

@@ -1,7 +1,7 @@
 """labkit: measure, estimate, guard and plot the memory of deep-learning models (GPU Memory Lab)."""
 from . import data, models, paged, plot
 from .bench import Result, Table, compare, measure
-from .device import device, has, report, size
+from .device import CARD, HEADROOM, device, has, report, size
 from .exercise import exercise, nontrivial, reveal
 from .estimate import Estimate, Parallel, estimate, kv_cache_bytes, param_count
 from .guard import budget, free, oom_guard, requires
@@ -13,7 +13,7 @@ from .units import GiB, KiB, MiB, fmt_bytes, parse_bytes
 
 __all__ = [
     "data", "models", "paged", "plot", "widgets",
-    "device", "size", "has", "report",
+    "device", "size", "has", "report", "CARD", "HEADROOM",
     "track", "CATEGORIES",
     "estimate", "Estimate", "Parallel", "param_count", "kv_cache_bytes", "plan",
     "oom_guard", "budget", "free", "requires",
@@ -25,8 +25,8 @@ __all__ = [
 
 # Imported on first use (`lk.alloc`, `lk.widgets`, ...): heavy or optional dependencies, and modules that
 # only some notebooks need.
-LAZY = {"widgets", "alloc", "leaks", "offload", "zero", "engines", "kernels", "profiling", "flash", "parallel",
-        "course", "launch", "collectives", "workbook"}
+LAZY = {"widgets", "alloc", "leaks", "offload", "copies", "zero", "engines", "kernels", "profiling", "flash", "tensor_parallel",
+        "pipeline_parallel", "oplog", "course", "launch", "collectives", "workbook"}
 
 
 def __getattr__(name):

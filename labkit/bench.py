@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import count
 from .memory import track
 from .units import fmt_bytes
 
@@ -39,9 +40,7 @@ def measure(fn, *objs, warmup=1, repeat=5):
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    for name, value, low in (("warmup", warmup, 0), ("repeat", repeat, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    warmup, repeat = count("warmup", warmup, 0), count("repeat", repeat, 1)
     for _ in range(warmup):
         fn()
     times = []

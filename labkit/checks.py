@@ -1,23 +1,39 @@
-"""Argument checks for all of labkit: errors that name the argument and the value, before any work is done."""
+"""Argument checks for all of labkit: errors that name the argument and the value, before any work is done.
+
+One wording for every count: "NAME must be an int >= MINIMUM, got VALUE" (numpy integers welcome; a bool, a
+float, even 2.0, or a string refused).
+"""
 from __future__ import annotations
 
 import operator
 
-__all__ = ["count", "flag"]
+__all__ = ["count", "flag", "index", "power_of_two"]
 
 
 def count(name, value, minimum=1):
     """An int >= minimum (numpy integers welcome), else a ValueError naming the argument."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}") from None
-    if n < minimum:
-        word = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {word}, got {value!r}")
-    return n
+    if not isinstance(value, bool):
+        try:
+            n = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if n >= minimum:
+                return n
+    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def index(name, value, size):
+    """An int in [0, size) (numpy integers welcome), else a ValueError naming the argument and the range."""
+    if not isinstance(value, bool):
+        try:
+            n = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if 0 <= n < size:
+                return n
+    raise ValueError(f"{name} must be an int in [0, {size}), got {value!r}")
 
 
 def flag(name, value):
@@ -26,3 +42,15 @@ def flag(name, value):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return bool(value)
 
+
+def power_of_two(name, value, minimum=1, why=""):
+    """A power of two >= minimum (numpy integers welcome; Triton's tiles and tl.arange need one), else a
+    ValueError naming the argument; `why` says whose rule it is, e.g. " (tl.dot's smallest tile)"."""
+    try:
+        n = count(name, value, minimum)
+    except ValueError:
+        n = 0
+    if n < minimum or n & (n - 1):
+        at_least = f" >= {minimum}" if minimum > 1 else ""
+        raise ValueError(f"{name} must be a power of two{at_least}{why}, got {value!r}")
+    return n

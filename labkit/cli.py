@@ -6,10 +6,9 @@ import json
 import pathlib
 import re
 
-from .course import agenda, fill_agendas, instructor, strip_solutions, student
-from .units import fmt_figure as _figure  # noqa: F401  (the old name)
+from .course import agenda, fill_agendas, instructor, student
 
-__all__ = ["main", "readiness", "notebook_meta", "strip_solutions", "workbook", "read_lock", "lock_lines",
+__all__ = ["main", "readiness", "notebook_meta", "workbook", "read_lock", "lock_lines",
            "lock_differences", "affects", "platform_notes"]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -39,7 +38,7 @@ def readiness(meta, linux_only=None):
 
 
 # What needs Linux, and why: notebook file name prefix -> the reason, for each system that lacks it.
-_TORCHRUN = ("starts its ranks with torchrun over gloo, and labkit.parallel.launch stops them as a POSIX "
+_TORCHRUN = ("starts its ranks with torchrun over gloo, and labkit.launch stops them as a POSIX "
              "process group (os.killpg), which native Windows lacks")
 _ENGINES = ("measures each engine's memory from Linux's /proc/self (VmHWM, clear_refs) with glibc's "
             "MALLOC_MMAP_THRESHOLD_ set")

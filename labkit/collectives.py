@@ -1,6 +1,6 @@
 """Count what the process group is asked to send: `process_group_calls()`, whoever calls it.
 
-`labkit.parallel.COMM` and `labkit.zero.COMM` are the engines' own tallies; this counter sits below them, in the
+`labkit.tensor_parallel.COMM` and `labkit.zero.COMM` are the engines' own tallies; this counter sits below them, in the
 methods of torch's `ProcessGroup`, so a count from here checks the engines' bookkeeping instead of repeating it.
 """
 from __future__ import annotations

@@ -18,21 +18,18 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .memory.walk import tensors
+
 __all__ = ["CrossDeviceCopies", "SavedBytesByDevice", "CountedHooks", "GradWeightCopies", "numpy_bytes",
-           "count_weight_reads"]
+           "count_weight_reads", "storages"]
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, torch.nn.Module):
-        yield from obj.parameters()
-        yield from obj.buffers()
-    elif isinstance(obj, (list, tuple, set)):
-        for o in obj:
-            yield from _tensors(o)
-    elif obj is not None:
-        raise TypeError(f"keep must be modules or tensors (or a list of them), got {type(obj).__name__}")
+def storages(objs, name):
+    """The data pointers of the storages behind every tensor in `objs` (modules, tensors, lists of them: the
+    walk of labkit.memory.walk.tensors); a TypeError naming `name` for a number or a string."""
+    if isinstance(objs, (str, bytes, int, float, complex)):
+        raise TypeError(f"{name} must be modules or tensors (or a list of them), got {type(objs).__name__} {objs!r}")
+    return {t.untyped_storage().data_ptr() for t in tensors(objs)}
 
 
 class CrossDeviceCopies(TorchDispatchMode):
@@ -110,7 +107,7 @@ class CountedHooks(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, hooks, weights=()):
         self.hooks = hooks
-        self._weights = {t.untyped_storage().data_ptr() for t in _tensors(list(weights))}
+        self._weights = storages(list(weights), "weights")
         self.tally = dict(saved=0, copied=0, copied_bytes=0, weights=0, unpacked=0, unpacked_bytes=0)
         super().__init__(self.pack, self.unpack)
 

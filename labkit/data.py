@@ -6,6 +6,7 @@ import os
 import pathlib
 
 import torch
+from .checks import count
 
 __all__ = ["DATA_DIR", "text", "tokenizer", "hf_tokenizer", "tokens", "batches"]
 
@@ -55,9 +56,7 @@ def batches(batch, seq, steps=None, split="train", seed=0, device="cpu"):
 
     For causal language models, pass the same tensor as input_ids and labels.
     """
-    for name, value in (("batch", batch), ("seq", seq)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    batch, seq = count("batch", batch), count("seq", seq)
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     ids = tokens()

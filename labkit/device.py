@@ -12,9 +12,20 @@ import shutil
 
 import torch
 
-__all__ = ["device", "size", "has", "report", "import_quietly", "FEATURES", "SIZES"]
+__all__ = ["device", "size", "has", "report", "import_quietly", "FEATURES", "SIZES", "CARD", "HEADROOM"]
 
 SIZES = ("tiny", "full")
+
+CARD = 24 * 2**30
+"""The workshop card the full size plans for: 24 GiB, as L4, A10 and RTX 4090 are sold (24 GB)."""
+
+HEADROOM = 0.10
+"""The fraction of CARD no step may count on. A step fits when its estimated or tracked peak is at most
+CARD * (1 - HEADROOM) = 21.6 GiB. The 2.4 GiB left cover what the estimate and the tracker do not see: an L4 or
+A10 holds 22.5 GiB in all (nvidia-smi's 23034 MiB, data/gpus.csv), the CUDA context takes a few hundred MiB of
+that outside PyTorch's allocator, and the caching allocator keeps reserved-but-free blocks (fragmentation).
+tests/test_full_size.py checks each notebook's FULL_STEPS against this limit on a CPU, `make gpu-smoke` runs
+them capped at it, and `make test-gpu` fences each notebook's kernel to it."""
 
 
 def device():

@@ -57,6 +57,7 @@ import sys
 import tempfile
 import time
 
+from .checks import count
 from .device import has
 
 __all__ = ["ENGINES", "MODELS", "EngineResult", "available", "build", "example_input", "export_onnx", "run",
@@ -151,9 +152,7 @@ def build(model="resnet-tiny", seed=0):
 def example_input(batch=1, image=64, seed=1):
     """A batch of random images, (batch, 3, image, image) fp32."""
     import torch
-    for name, value in (("batch", batch), ("image", image)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    batch, image = count("batch", batch), count("image", image)
     return torch.randn(batch, 3, image, image, generator=torch.Generator().manual_seed(seed))
 
 
@@ -197,13 +196,11 @@ def _check(engine, model, device, repeat, fp16, malloc_mmap_threshold=None):
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-        raise ValueError(f"repeat must be a positive int, got {repeat!r}")
+    count("repeat", repeat)
     if fp16 and engine == "onnxruntime":
         raise ValueError("fp16 is for the PyTorch engines and TensorRT; onnxruntime runs the fp32 export, got fp16=True")
-    if malloc_mmap_threshold is not None and (isinstance(malloc_mmap_threshold, bool)
-                                              or not isinstance(malloc_mmap_threshold, int) or malloc_mmap_threshold < 0):
-        raise ValueError(f"malloc_mmap_threshold must be None or a number of bytes >= 0, got {malloc_mmap_threshold!r}")
+    if malloc_mmap_threshold is not None:
+        count("malloc_mmap_threshold", malloc_mmap_threshold, 0)             # bytes
 
 
 def run(engine, model="resnet-tiny", batch=1, image=64, repeat=5, arena=True, device="cpu", fp16=False,

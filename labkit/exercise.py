@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import torch.overrides
 
+from .checks import count
 from .units import fmt_bytes, parse_bytes
 
 __all__ = ["exercise", "nontrivial", "reveal"]
@@ -216,9 +217,7 @@ def exercise(number, task, forbid=()):
     forbid: the functions, classes or modules the exercise teaches; a call into any of them while the
     block runs fails the check, naming what was called (compute references before the block).
     """
-    if not isinstance(number, numbers.Integral) or isinstance(number, (bool, np.bool_)) or number < 1:
-        raise ValueError(f"number must be a positive int, got {number!r}")
-    number = int(number)
+    number = count("number", number)
     if not isinstance(task, str) or not task.strip():
         raise ValueError(f"task must say what to do, got {task!r}")
     watch = _Watch(list(forbid) if isinstance(forbid, (tuple, set, frozenset)) else forbid)

@@ -27,24 +27,22 @@ of keys in a Python loop; all query rows form one tile, where a kernel gives eac
 program). The Triton kernels live in `labkit.flash_triton` (the `*_triton` functions), imported only
 when asked for, so this module, its twins and notebook 08 run wherever PyTorch does. Both accumulate
 in fp32 whatever their inputs are, and accept exactly the same arguments: every argument is checked
-here, before any work.
+before any work, by `labkit.flash_checks` (one check per public function, so the algorithms here read alone).
 """
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
 from .device import has
+from .flash_checks import check_attention, check_decode, check_io, check_paged
 
 __all__ = ["flash_attention", "flash_decode", "paged_attention", "combine_splits", "online_softmax_step",
            "forward_torch", "backward_torch", "decode_torch", "paged_torch", "kernel_source", "kernel_code",
            "HBMTraffic", "standard_attention_io", "flash_attention_io", "BACKENDS"]
 
 BACKENDS = ("auto", "torch", "triton")
-HEAD_DIMS = (16, 32, 64, 128)      # powers of two that tl.arange and tl.dot accept
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # ---------------------------------------------------------------- the online softmax, written once
@@ -166,7 +164,8 @@ def _backend(backend):
 
 
 KERNELS = dict(forward="flash_fwd_kernel", backward_dkdv="flash_bwd_dkdv_kernel", backward_dq="flash_bwd_dq_kernel",
-               decode="decode_split_kernel", paged="paged_decode_kernel", online_softmax="online_softmax")
+               decode="decode_split_kernel", paged="paged_decode_kernel", online_softmax="online_softmax",
+               kv_tile="load_kv_tile", q_tile="load_q_tile")
 
 
 def _kernel_node(name):
@@ -183,7 +182,8 @@ def _kernel_node(name):
 
 def kernel_source(name):
     """The source of a Triton kernel of `labkit.flash_triton` as text, read from the file (no triton needed):
-    name is one of KERNELS ("forward", "backward_dkdv", "backward_dq", "decode", "paged", "online_softmax")."""
+    name is one of KERNELS ("forward", "backward_dkdv", "backward_dq", "decode", "paged", "online_softmax",
+    "kv_tile", "q_tile")."""
     _, node, text = _kernel_node(name)
     first = min([node.lineno] + [d.lineno for d in node.decorator_list])        # from its @triton.jit line
     return "\n".join(text.splitlines()[first - 1:node.end_lineno])
@@ -225,20 +225,12 @@ class HBMTraffic:
         return f"HBMTraffic(reads={self.reads}, writes={self.writes}, total={self.total})"
 
 
-def _check_io(q, k, v):
-    for name, t in (("q", q), ("k", k), ("v", v)):       # meta tensors are welcome: the bytes need only shapes
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or 0 in t.shape:
-            raise ValueError(f"{name} must be a non-empty (N, d) tensor, one head, got {getattr(t, 'shape', t)!r}")
-    if not q.shape == k.shape == v.shape:
-        raise ValueError(f"q, k, v must share one (N, d) shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-
-
 def standard_attention_io(q, k, v, traffic):
     """softmax(q k^T / sqrt(d)) v for one head's q, k, v (N, d) as standard attention runs it (Dao et al.
     2022, Algorithm 0): three kernels, each reading its inputs from HBM and writing its result back,
     S = QK^T (N x N), P = softmax(S) (N x N), O = PV. Every load and store is counted in `traffic`
     (on meta tensors only the counts are computed: the bytes depend on shapes alone)."""
-    _check_io(q, k, v)
+    check_io(q, k, v)
     s = traffic.store("S", (traffic.load("Q", q) @ traffic.load("K", k).T) / math.sqrt(q.shape[1]))
     p = traffic.store("P", torch.softmax(traffic.load("S", s), dim=-1))
     return traffic.store("O", traffic.load("P", p) @ traffic.load("V", v))
@@ -250,10 +242,8 @@ def flash_attention_io(q, k, v, sram, traffic):
     rows in the outer loop, query blocks of B_r = min(B_c, d) rows in the inner one; O (normalised), the
     running sum l and max m live in HBM and are read and written back at every step (the update is
     `online_softmax_step`). Every load and store is counted in `traffic`; returns O (N, d), fp32."""
-    _check_io(q, k, v)
+    check_io(q, k, v, sram)
     N, d = q.shape
-    if isinstance(sram, bool) or not isinstance(sram, int) or not d <= sram <= N * d:
-        raise ValueError(f"sram must be an int number of elements with d <= sram <= N d ({d} .. {N * d}), got {sram!r}")
     b_c = -(-sram // (4 * d))
     b_r = min(b_c, d)
     scale = 1 / math.sqrt(d)
@@ -270,74 +260,6 @@ def flash_attention_io(q, k, v, sram, traffic):
             o[i:i + b_r] = traffic.store("O", acc / l_new[:, None])
             l[i:i + b_r], m[i:i + b_r] = traffic.store("l", l_new), traffic.store("m", m_new)
     return o
-
-
-# ---------------------------------------------------------------- arguments, checked before any work
-def _check_tensor(name, t, dims, what):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {what}, got {type(t).__name__}")
-    if t.device.type == "meta":
-        raise ValueError(f"{name} is a meta tensor (a shape without values): attention needs real values")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must be a {what} tensor, got shape {tuple(t.shape)}")
-    if any(n == 0 for n in t.shape):
-        raise ValueError(f"{name} must not be empty ({what}), got shape {tuple(t.shape)}")
-
-
-def _check_dtypes(**tensors):
-    dtypes = {t.dtype for t in tensors.values()}
-    for name, t in tensors.items():
-        if t.dtype not in DTYPES:
-            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-    if len(dtypes) > 1:
-        raise TypeError(f"{', '.join(tensors)} must share a dtype, got "
-                        + ", ".join(f"{n} {t.dtype}" for n, t in tensors.items()))
-    devices = {t.device for t in tensors.values()}
-    if len(devices) > 1:
-        raise ValueError("all tensors must be on one device, got " + ", ".join(f"{n} {t.device}" for n, t in tensors.items()))
-
-
-def _check_heads(hq, hkv, d, dk):
-    if dk != d or d not in HEAD_DIMS:
-        raise ValueError(f"head dim must be 16, 32, 64 or 128 (a power of two tl.dot accepts) and equal in q "
-                         f"and k, got {d} and {dk}")
-    if hq % hkv:
-        raise ValueError(f"q's heads ({hq}) must be a multiple of k's and v's heads ({hkv}) for grouped-query attention")
-
-
-def _scale(sm_scale, d):
-    if sm_scale is None:
-        return 1.0 / math.sqrt(d)
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) or not math.isfinite(sm_scale):
-        raise TypeError(f"sm_scale must be a finite number or None (1/sqrt(d)), got {sm_scale!r}")
-    return float(sm_scale)
-
-
-def _check_block(name, b):
-    if isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1):
-        raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {b!r}")
-
-
-def _check_qkv(q, k, v, causal, sm_scale, blocks):
-    if isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[2] == 0:
-        raise ValueError(f"k holds no keys (shape {tuple(k.shape)}): a softmax over no keys is undefined "
-                         f"(SDPA returns zeros there, a kernel 0/0); pass at least one key")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, 4, "(batch, heads, N, d)")
-    _check_dtypes(q=q, k=k, v=v)
-    (B, Hq, Nq, D), (Bk, Hkv, Nk, Dk) = q.shape, k.shape
-    if k.shape != v.shape or Bk != B:
-        raise ValueError(f"k and v must be (batch, kv_heads, Nk, d) with q's batch and d: q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    _check_heads(Hq, Hkv, D, Dk)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    if causal and Nq > Nk:
-        raise ValueError(f"causal attention aligned bottom-right needs Nq <= Nk (rows above would see no key), "
-                         f"got Nq={Nq}, Nk={Nk}")
-    for name, b in blocks.items():
-        _check_block(name, b)
-    return _scale(sm_scale, D)
 
 
 # ---------------------------------------------------------------- the public functions
@@ -371,7 +293,7 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, block_m=32, block_n=32
     `backend`: "torch" (the twin), "triton" (the kernels) or "auto" (triton where installed).
     """
     fns = _backend(backend)
-    scale = _check_qkv(q, k, v, causal, sm_scale, dict(block_m=block_m, block_n=block_n))
+    scale = check_attention(q, k, v, causal, sm_scale, block_m=block_m, block_n=block_n)
     o, lse = _FlashAttention.apply(q, k, v, causal, scale, block_m, block_n, fns)
     return (o, lse) if return_lse else o
 
@@ -398,11 +320,7 @@ def flash_decode(q, k, v, num_splits=4, sm_scale=None, block_n=32, return_parts=
     fp32 partials (o_parts (B, Hq, S, d), lse_parts (B, Hq, S)) as well.
     """
     fns = _backend(backend)
-    scale = _check_qkv(q, k, v, False, sm_scale, dict(block_n=block_n))
-    if q.shape[2] != 1:
-        raise ValueError(f"flash_decode takes one query per head (q of shape (batch, heads, 1, d)), got Nq={q.shape[2]}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    scale = check_decode(q, k, v, num_splits, sm_scale, block_n)
     Nk = k.shape[2]
     split_len = -(-(-(-Nk // num_splits)) // block_n) * block_n      # whole key blocks per split, none empty
     o_parts, lse_parts = fns["decode"](q.contiguous(), k.contiguous(), v.contiguous(), split_len, scale, block_n)
@@ -420,34 +338,5 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale=None, b
     Returns (batch, Hq, d) in q's dtype.
     """
     fns = _backend(backend)
-    _check_tensor("q", q, 3, "(batch, heads, d)")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(name, t, 4, "(num_blocks, block_size, kv_heads, d)")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must share one shape, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    _check_dtypes(q=q, k_cache=k_cache, v_cache=v_cache)
-    B, Hq, D = q.shape
-    num_blocks, block_size, Hkv, Dk = k_cache.shape
-    _check_heads(Hq, Hkv, D, Dk)
-    scale = _scale(sm_scale, D)
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two (tl.arange's rule), got {block_size}")
-    for name, t, shape in (("block_table", block_table, f"(batch={B}, max_blocks)"), ("seq_lens", seq_lens, f"({B},)")):
-        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise TypeError(f"{name} must be an int tensor {shape}, got "
-                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-        if t.device.type == "meta":
-            raise ValueError(f"{name} is a meta tensor (a shape without values): the kernel reads its values")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-    if block_table.dim() != 2 or block_table.shape[0] != B:
-        raise ValueError(f"block_table must be an int (batch={B}, max_blocks) tensor, got {tuple(block_table.shape)}")
-    if seq_lens.shape != (B,):
-        raise ValueError(f"seq_lens must be an int ({B},) tensor, got {tuple(seq_lens.shape)}")
-    lens = seq_lens.tolist()
-    if min(lens) < 1 or max(lens) > block_table.shape[1] * block_size:
-        raise ValueError(f"seq_lens must lie in [1, max_blocks * block_size = {block_table.shape[1] * block_size}], got {lens}")
-    used = torch.cat([block_table[b, :-(-n // block_size)] for b, n in enumerate(lens)])
-    if used.min() < 0 or used.max() >= num_blocks:
-        raise ValueError(f"block_table points outside the cache's {num_blocks} blocks: {used.tolist()}")
+    scale = check_paged(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
     return fns["paged"](q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), block_table, seq_lens, scale)

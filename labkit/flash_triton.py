@@ -1,7 +1,8 @@
 """The Triton kernels behind `labkit.flash` (its `backend="triton"`): imported only when they are asked for.
 
-`labkit.flash` validates every argument, holds the plain PyTorch twin of each algorithm and calls the
-four functions at the end of this file, whose results it checks against the twins in tests/test_flash.py.
+`labkit.flash` validates every argument (`labkit.flash_checks`), holds the plain PyTorch twin of each
+algorithm and calls the four functions at the end of this file; tests/test_flash.py checks their results
+against the twins.
 After Triton's tutorial 06-fused-attention and Dao 2023 (FlashAttention-2, Algorithms 1 and 2).
 
 Without a GPU, Triton runs kernels on CPU tensors through its interpreter, which it chooses when a
@@ -29,8 +30,9 @@ if not torch.cuda.is_available():
 import triton                      # noqa: E402  (after choosing the interpreter)
 import triton.language as tl       # noqa: E402
 
-__all__ = ["online_softmax", "flash_fwd_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "decode_split_kernel",
-           "paged_decode_kernel", "forward_triton", "backward_triton", "decode_triton", "paged_triton", "INTERPRETED"]
+__all__ = ["online_softmax", "load_kv_tile", "load_q_tile", "flash_fwd_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel",
+           "decode_split_kernel", "paged_decode_kernel", "forward_triton", "backward_triton", "decode_triton",
+           "paged_triton", "INTERPRETED"]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -49,7 +51,31 @@ def online_softmax(m_i, l_i, s):
     return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
 
 
-_online_softmax = online_softmax   # its name before it was public
+@triton.jit
+def load_kv_tile(K, V, base, cols, offs_d, n, D: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows `cols` (BLOCK_N,) of K and V for one (batch, key/value head), whose rows start at `base` in
+    contiguous (B, H, N, D) tensors: two (BLOCK_N, D) tiles, rows at or past `n` masked to zeros (never read).
+    Every kernel that walks keys loads them here (Triton's tutorial 06 keeps its key loop in one inner function)."""
+    ptrs = base + cols[:, None] * D + offs_d[None, :]
+    k = tl.load(K + ptrs, mask=cols[:, None] < n, other=0.0)
+    v = tl.load(V + ptrs, mask=cols[:, None] < n, other=0.0)
+    if UPCAST:                                       # the interpreter's tl.dot needs fp32 (see the docstring above)
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def load_q_tile(Q, DO, LSE, DELTA, bh, rows, offs_d, Nq, D: tl.constexpr, UPCAST: tl.constexpr):
+    """What the backward reads of rows `rows` (BLOCK_M,) of one (batch, query head): two (BLOCK_M, D) tiles of
+    Q and dO, and the rows' saved log-sum-exp and D = rowsum(dO * O); rows at or past Nq masked to zeros."""
+    ptrs = bh * Nq * D + rows[:, None] * D + offs_d[None, :]
+    q = tl.load(Q + ptrs, mask=rows[:, None] < Nq, other=0.0)
+    do = tl.load(DO + ptrs, mask=rows[:, None] < Nq, other=0.0)
+    if UPCAST:
+        q, do = q.to(tl.float32), do.to(tl.float32)
+    lse = tl.load(LSE + bh * Nq + rows, mask=rows < Nq, other=0.0)
+    delta = tl.load(DELTA + bh * Nq + rows, mask=rows < Nq, other=0.0)
+    return q, do, lse, delta
 
 
 @triton.jit
@@ -82,11 +108,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, scale, Nq, Nk, Hq, GROUP,
     hi = tl.minimum((start_m + 1) * BLOCK_M + shift, Nk) if CAUSAL else Nk
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n
-        kv_mask = cols[:, None] < Nk
-        k = tl.load(K + kv_base + cols[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_base + cols[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = load_kv_tile(K, V, kv_base, cols, offs_d, Nk, D, UPCAST)     # (BLOCK_N, D) each
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale     # (BLOCK_M, BLOCK_N) scores
         valid = cols[None, :] < Nk
         if CAUSAL:
@@ -128,10 +150,7 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, scale, Nq, Nk, Hq, GR
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     kv_mask = offs_n[:, None] < Nk
-    k = tl.load(K + kv_base + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_base + offs_n[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-    if UPCAST:
-        k, v = k.to(tl.float32), v.to(tl.float32)
+    k, v = load_kv_tile(K, V, kv_base, offs_n, offs_d, Nk, D, UPCAST)      # this program's tile, kept on chip
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     shift = Nk - Nq
@@ -140,16 +159,9 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, scale, Nq, Nk, Hq, GR
         lo = tl.maximum(start_n * BLOCK_N - shift, 0) // BLOCK_M * BLOCK_M
     for g in range(0, GROUP):
         bh = (kv_bh // Hkv) * Hq + (kv_bh % Hkv) * GROUP + g   # a query head reading this K/V head
-        q_base = bh * Nq * D
         for start_m in range(lo, Nq, BLOCK_M):
             rows = start_m + offs_m
-            row_mask = rows[:, None] < Nq
-            q = tl.load(Q + q_base + rows[:, None] * D + offs_d[None, :], mask=row_mask, other=0.0)
-            do = tl.load(DO + q_base + rows[:, None] * D + offs_d[None, :], mask=row_mask, other=0.0)
-            if UPCAST:
-                q, do = q.to(tl.float32), do.to(tl.float32)
-            lse = tl.load(LSE + bh * Nq + rows, mask=rows < Nq, other=0.0)
-            delta = tl.load(DELTA + bh * Nq + rows, mask=rows < Nq, other=0.0)
+            q, do, lse, delta = load_q_tile(Q, DO, LSE, DELTA, bh, rows, offs_d, Nq, D, UPCAST)
             p, ds = _p_and_ds(q, k, v, do, lse, delta, rows, offs_n, Nq, Nk, scale, CAUSAL, PRECISION)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION).to(tl.float32)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION).to(tl.float32)
@@ -169,26 +181,17 @@ def flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, scale, Nq, Nk, Hq, GROUP,
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    row_mask = offs_m[:, None] < Nq
-    q = tl.load(Q + q_base + offs_m[:, None] * D + offs_d[None, :], mask=row_mask, other=0.0)
-    do = tl.load(DO + q_base + offs_m[:, None] * D + offs_d[None, :], mask=row_mask, other=0.0)
-    if UPCAST:
-        q, do = q.to(tl.float32), do.to(tl.float32)
-    lse = tl.load(LSE + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
-    delta = tl.load(DELTA + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
+    q, do, lse, delta = load_q_tile(Q, DO, LSE, DELTA, bh, offs_m, offs_d, Nq, D, UPCAST)   # this program's rows
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     shift = Nk - Nq
     hi = tl.minimum((start_m + 1) * BLOCK_M + shift, Nk) if CAUSAL else Nk
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n
-        kv_mask = cols[:, None] < Nk
-        k = tl.load(K + kv_base + cols[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_base + cols[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = load_kv_tile(K, V, kv_base, cols, offs_d, Nk, D, UPCAST)
         _, ds = _p_and_ds(q, k, v, do, lse, delta, offs_m, cols, Nq, Nk, scale, CAUSAL, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION).to(tl.float32)
-    tl.store(DQ + q_base + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_mask)
+    tl.store(DQ + q_base + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=offs_m[:, None] < Nq)
 
 
 # ---------------------------------------------------------------- decoding: one query, a long cache
@@ -210,9 +213,7 @@ def decode_split_kernel(Q, K, V, O_PART, LSE_PART, scale, Nk, Hq, GROUP, SPLITS,
     end = tl.minimum(start + split_len, Nk)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        ptrs = kv_bh * Nk * D + cols[:, None] * D + offs_d[None, :]
-        k = tl.load(K + ptrs, mask=cols[:, None] < end, other=0.0).to(tl.float32)
-        v = tl.load(V + ptrs, mask=cols[:, None] < end, other=0.0).to(tl.float32)
+        k, v = load_kv_tile(K, V, kv_bh * Nk * D, cols, offs_d, end, D, True)   # fp32: one row, no tl.dot
         m_i, l_i, acc = _fold_keys(q, k, v, cols < end, m_i, l_i, acc)
     tl.store(O_PART + (bh * SPLITS + split) * D + offs_d[None, :], acc / l_i[:, None])
     tl.store(LSE_PART + bh * SPLITS + split + tl.arange(0, 1), m_i + tl.log(l_i))

@@ -34,6 +34,7 @@ import sys
 
 import torch
 
+from .checks import count, power_of_two
 from .device import has
 
 __all__ = ["grouped_pid", "blocks_loaded", "tiled_matmul", "panels_read", "round_to_tf32", "matmul",
@@ -43,6 +44,7 @@ __all__ = ["grouped_pid", "blocks_loaded", "tiled_matmul", "panels_read", "round
 
 PRECISIONS = ("ieee", "tf32")      # how tl.dot multiplies fp32 inputs on a GPU; Triton's default is "tf32"
 FORWARDS = ("chunked", "online", "triton")
+TILE = " (tl.dot's smallest tile)"
 tl = None                          # triton.language, bound by _jitted() on first use (the kernels read it)
 # Without CUDA, Triton must see TRITON_INTERPRET=1 when it is first imported (torch's compiler stack may
 # import it too): choose now, import nothing. Too late if triton came first without it.
@@ -51,20 +53,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _positive_int(name, value, low=1):
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-
 # ---- the grouped ordering, in plain Python (what the kernel computes from tl.program_id) ----------
 def grouped_pid(pid, num_pid_m, num_pid_n, group_m):
     """The (tile row, tile column) that program `pid` computes in grouped order.
 
     Programs walk down GROUP_M tile-rows, then move one tile-column right; the last group may have
     fewer rows. With group_m=1 this is plain row-major order."""
-    for name, value in (("pid", pid), ("num_pid_m", num_pid_m), ("num_pid_n", num_pid_n), ("group_m", group_m)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "pid" else 1):
-            raise ValueError(f"{name} must be a {'non-negative' if name == 'pid' else 'positive'} int, got {value!r}")
+    pid = count("pid", pid, 0)
+    num_pid_m, num_pid_n, group_m = count("num_pid_m", num_pid_m), count("num_pid_n", num_pid_n), count("group_m", group_m)
     if pid >= num_pid_m * num_pid_n:
         raise ValueError(f"pid must be below num_pid_m * num_pid_n = {num_pid_m * num_pid_n}, got {pid}")
     num_pid_in_group = group_m * num_pid_n
@@ -79,8 +75,7 @@ def grouped_pid(pid, num_pid_m, num_pid_n, group_m):
 def blocks_loaded(num_pid_m, num_pid_n, group_m, wave):
     """Distinct tile-rows of A plus tile-columns of B that `wave` consecutive programs read, summed over
     the waves: a count of what must come from DRAM when only one wave's inputs fit in the cache."""
-    if not isinstance(wave, int) or isinstance(wave, bool) or wave < 1:
-        raise ValueError(f"wave must be a positive int, got {wave!r}")
+    count("wave", wave)
     total, n = 0, num_pid_m * num_pid_n
     for start in range(0, n, wave):
         tiles = [grouped_pid(p, num_pid_m, num_pid_n, group_m) for p in range(start, min(start + wave, n))]
@@ -109,9 +104,8 @@ def check_matmul_args(a, b, block_m, block_n, block_k, group_m, precision):
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {v!r}")
-    _positive_int("group_m", group_m)
+        power_of_two(name, v, 16, TILE)
+    count("group_m", group_m)
 
 
 @contextlib.contextmanager
@@ -167,7 +161,7 @@ def panels_read(reads, wave):
     `tiled_matmul(..., reads=...)` run read, summed over the waves."""
     if not isinstance(reads, list) or not reads:
         raise ValueError(f"reads must be the non-empty list that tiled_matmul(reads=...) filled, got {reads!r}")
-    _positive_int("wave", wave)
+    count("wave", wave)
     total = 0
     for start in range(0, len(reads), wave):
         batch = reads[start:start + wave]
@@ -291,7 +285,7 @@ def check_ce_args(hidden, weight, targets, **positive):
     """ValueError naming the argument, before any work, unless hidden (N, D), weight (V, D) and int64 targets
     (N,) fit together and every keyword in `positive` (chunk=..., block_v=...) is a positive int."""
     for name, value in positive.items():
-        _positive_int(name, value)
+        count(name, value)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
         raise ValueError(f"hidden must be a 2-D (tokens, hidden) tensor, got {getattr(hidden, 'shape', hidden)!r}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
@@ -379,8 +373,7 @@ def triton_lse_and_target(hidden, weight, targets, block_m=16, block_v=64, block
     """`online_lse_and_target` by the Triton kernel `cross_entropy_kernel` (needs triton)."""
     check_ce_args(hidden, weight, targets)
     for name, v in (("block_m", block_m), ("block_v", block_v), ("block_d", block_d)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's smallest tile), got {v!r}")
+        power_of_two(name, v, 16, TILE)
     triton, kernels = _jitted()
     N, D = hidden.shape
     V = weight.shape[0]
@@ -440,14 +433,10 @@ def linear_cross_entropy(hidden, weight, targets, chunk=256, ignore_index=-100, 
     "chunked" (chunk x V logits at a time), "online" (chunk x block_v: the fused kernel's algorithm in
     PyTorch) or "triton" (the fused kernel, 16 x block_v tiles in registers; needs triton). Backward is
     the same for all three: the logits recomputed `chunk` rows at a time."""
-    check_ce_args(hidden, weight, targets)
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-        raise ValueError(f"chunk must be a positive int (rows of logits at a time), got {chunk!r}")
+    check_ce_args(hidden, weight, targets, chunk=chunk, block_v=block_v)
     if forward not in FORWARDS:
         raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
-    _positive_int("block_v", block_v)
     if forward == "triton":
-        if block_v < 16 or block_v & (block_v - 1):
-            raise ValueError(f"block_v must be a power of two >= 16 for forward='triton' (a tl.dot tile), got {block_v!r}")
+        power_of_two("block_v", block_v, 16, " for forward='triton' (a tl.dot tile)")
         _jitted()                                           # says what is missing before any work
     return LinearCrossEntropy.apply(hidden, weight, targets, chunk, ignore_index, forward, block_v)

@@ -9,8 +9,8 @@ One rank alone:   `with fake_ranks(8):` makes this process rank 0 of 8 in a fake
                   `torch.testing._internal.distributed.fake_pg`): every collective returns at once and moves
                   nothing, so one process holds exactly one rank's share of a layout that needs 8 devices.
 Functions defined in a notebook cannot be pickled into spawned processes, hence the script files in
-labkit/scripts/. The sharded layers the ranks import are in `labkit.parallel`, the collective counter in
-`labkit.collectives`.
+labkit/scripts/. The layers the ranks import are in `labkit.tensor_parallel`, `labkit.pipeline_parallel` and
+`labkit.zero`, the collective counter in `labkit.collectives`.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from .checks import count, index
 
 __all__ = ["launch", "progress", "init", "finish", "write_result", "backend_for", "where_ranks_run", "fake_ranks"]
 
@@ -52,8 +54,7 @@ def launch(module, nproc=2, args=(), timeout=300):
     modules = [module] if isinstance(module, str) else list(module) if isinstance(module, (list, tuple)) else []
     if not modules or not all(isinstance(m, str) for m in modules):
         raise ValueError(f"module must be a module name or a list of them, got {module!r}")
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc must be a positive int, got {nproc!r}")
+    nproc = count("nproc", nproc)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     name = module if isinstance(module, str) else " + ".join(modules)
@@ -246,8 +247,10 @@ def init():
 
 def finish():
     """Called at the end of a torchrun script: leave the process group, unless a chain of scripts
-    still needs it (joining a second time in the same processes can hang)."""
+    still needs it (joining a second time in the same processes can hang). Every rank waits for the
+    others first: a gloo rank that leaves while a peer still receives its last message can abort (SIGABRT)."""
     if os.environ.get("LABKIT_CHAINED") != "1":
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -268,12 +271,10 @@ def fake_ranks(world, rank=0):
     or an all-reduce's result is left as it was (wrong values), but every tensor a real rank would allocate
     is allocated here, with its real shape. So one process, on real tensors or on FakeTensorMode ones,
     measures the memory of one rank of a layout over `world` devices (FSDP2, DTensor, labkit.zero and
-    labkit.parallel all run on it unchanged). Not for values: a result computed here is not the result.
+    labkit.tensor_parallel all run on it unchanged). Not for values: a result computed here is not the result.
     """
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"world must be a positive int, got {world!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
+    world = count("world", world)
+    rank = index("rank", rank, world)
     if dist.is_initialized():
         raise RuntimeError(f"a process group is already running here (backend {dist.get_backend()!r}, world "
                            f"{dist.get_world_size()}): fake_ranks makes its own; leave the other one first")

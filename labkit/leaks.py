@@ -13,7 +13,9 @@ graph it is.
 
     report = lk.leaks.find(eval_step, steps=4)
     report.growth_per_step      # bytes (after gc.collect()); 0 for a correct loop
-    report.survivors            # [Survivor(line, bytes_per_step, holder, ...)], largest first
+    report.survivors            # [Survivor(line, bytes_per_step, holder, ...)], largest first; a line whose
+                                # survivors all come from one step (the state a step hands to the next) is
+                                # held once, 0 per step
     report.cycle_bytes_per_step # freed only by gc.collect()
 
 What it finds, e.g. the three usual leaks: intermediates kept alive (a loss summed as a tensor, outputs kept in
@@ -39,6 +41,8 @@ from operator import attrgetter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .checks import count
+from .memory.dispatch import input_storages
 from .memory.walk import frame_locals
 from .units import fmt_bytes
 
@@ -85,7 +89,7 @@ class _Born(TorchDispatchMode):
                             pass
                         if len(refs) > 4:
                             refs.pop(0)
-                elif st.nbytes() > 0 and key not in _input_storages(args, kwargs):
+                elif st.nbytes() > 0 and key not in input_storages(args, kwargs):
                     self.book.add(key, st, t, self.step)      # new (not a view of an input, not in place)
         return out
 
@@ -131,30 +135,21 @@ def _is_leaf_ref(ref):
     return ref().grad_fn is None
 
 
-def _input_storages(args, kwargs):
-    ids = set()
-    for group in (args, (kwargs or {}).values()):
-        for a in group:
-            for t in (a if isinstance(a, (list, tuple)) else (a,)):
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                    try:
-                        ids.add(id(t.untyped_storage()))
-                    except (RuntimeError, NotImplementedError):
-                        pass
-    return ids
-
-
 @dataclass
 class Survivor:
     """Storages made on one line that outlived their step."""
     line: str
-    bytes_per_step: float
+    bytes_per_step: float          # what the line adds per tracked step; 0 when its survivors come from one step
     count: int
     steps: int                     # in how many tracked steps this line left something alive
     holder: str                    # what keeps it alive
     saved_for_backward: bool       # autograd saved it (kept alive by a graph when nothing else holds it)
+    bytes: int = 0                 # bytes alive from this line at the end
 
     def __str__(self):
+        if self.steps == 1:        # one step's state, replaced by the next: held, not growing
+            return (f"{fmt_bytes(self.bytes)} once (left by one step, not growth) from {self.line} ({self.count} "
+                    f"storages): held by {self.holder}")
         return (f"{fmt_bytes(int(self.bytes_per_step))}/step from {self.line} ({self.count} storages, "
                 f"{self.steps} steps): held by {self.holder}")
 
@@ -197,9 +192,7 @@ def find(step, steps=4, warmup=1):
     """Run `step()` `warmup` + `steps` times; report what each tracked step leaves alive and what holds it."""
     if not callable(step):
         raise TypeError(f"step must be a callable taking no arguments, got {type(step).__name__}")
-    for name, v, lo in (("steps", steps, 2), ("warmup", warmup, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    steps, warmup = count("steps", steps, 2), count("warmup", warmup, 0)
     for _ in range(warmup):           # under the same hooks: one-time set-up is not counted as a leak
         scratch = _Book()
         with torch.autograd.graph.saved_tensors_hooks(scratch.pack, _unpack), _Born(scratch, -1):
@@ -250,9 +243,10 @@ def _survivors(book, steps):
                 break
         if holder is None and g["saved"]:
             holder = "an autograd graph" + (f" reachable from {graph_holder}" if graph_holder else "")
-        out.append(Survivor(line, g["bytes"] / steps, g["count"], len(g["steps"]),
-                            holder or "unknown (no Python referrer)", g["saved"]))
-    out.sort(key=attrgetter("bytes_per_step"), reverse=True)
+        per_step = g["bytes"] / steps if len(g["steps"]) > 1 else 0   # one step's survivors: no growth
+        out.append(Survivor(line, per_step, g["count"], len(g["steps"]), holder or "unknown (no Python referrer)",
+                            g["saved"], g["bytes"]))
+    out.sort(key=attrgetter("bytes_per_step", "bytes"), reverse=True)
     return out
 
 

@@ -15,7 +15,7 @@ then a real copy out of torch's books, exactly as a GPU-to-CPU copy leaves the G
 - `bandwidth(route)`, `bandwidth_runs(route)`: measured bytes per second of one copy route (into one warm
   buffer, or a fresh one per copy as a hook allocates).
 - Counting what moves, from outside the movers (`CrossDeviceCopies`, `SavedBytesByDevice`, `CountedHooks`,
-  `GradWeightCopies`, `numpy_bytes`, `count_weight_reads`): labkit/copies.py, re-exported here.
+  `GradWeightCopies`, `numpy_bytes`, `count_weight_reads`): labkit/copies.py.
 - `SeedSwapper`: the seed material's module as written (`x = x.cpu(); x = self.module(x); return x.cuda()`),
   kept to be run and measured; `Swapper`: what it was meant to do (the layer on the device, its input
   and output on the host).
@@ -33,12 +33,11 @@ import weakref
 import numpy as np
 import torch
 
-from .copies import (CountedHooks, CrossDeviceCopies, GradWeightCopies, SavedBytesByDevice,  # noqa: F401
-                     _tensors, count_weight_reads, numpy_bytes)
+from .checks import count
+from .copies import storages
 from .units import parse_bytes
 
-__all__ = ["ActivationOffload", "HostAdam", "bandwidth", "bandwidth_runs", "ROUTES", "CrossDeviceCopies", "SeedSwapper", "Swapper",
-           "SavedBytesByDevice", "CountedHooks", "GradWeightCopies", "numpy_bytes", "count_weight_reads",
+__all__ = ["ActivationOffload", "HostAdam", "bandwidth", "bandwidth_runs", "ROUTES", "SeedSwapper", "Swapper",
            "to_host", "from_host"]
 
 TARGETS = ("host", "disk", "bf16")
@@ -126,13 +125,11 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             raise ValueError(f"to must be one of {TARGETS}, got {to!r}")
         if to == "disk" and folder is None:
             raise ValueError("folder must name a directory for to='disk', got None")
-        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-            raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
-        self.to, self.min_bytes = to, min_bytes
+        self.to, self.min_bytes = to, count("min_bytes", min_bytes, 0)
         self.folder = None if folder is None else pathlib.Path(folder)
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
-        self._keep = {t.untyped_storage().data_ptr() for t in _tensors(keep)}
+        self._keep = storages(keep, "keep")
         self._serial = itertools.count()
         self.bytes_out = self.bytes_in = 0       # bytes written to the target / read back from it
         self.offloaded_bytes = 0                 # bytes of the tensors that were packed, as the device held them
@@ -296,8 +293,7 @@ def bandwidth_runs(route, nbytes="64 MiB", folder=None, repeat=5, fresh=False):
     n = parse_bytes(nbytes, "nbytes")
     if n <= 0:
         raise ValueError(f"nbytes must be positive, got {nbytes!r}")
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-        raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
+    repeat = count("repeat", repeat)
     if not isinstance(fresh, bool):
         raise TypeError(f"fresh must be True or False, got {fresh!r}")
     cuda = torch.cuda.is_available()

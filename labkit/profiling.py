@@ -32,6 +32,7 @@ import warnings
 import numpy as np
 import torch
 
+from .checks import count
 from .memory import CATEGORIES
 from .memory.profiler import without_profiler_notes
 
@@ -59,8 +60,7 @@ def run(fn, *, steps=1, trace=None, memory=True, shapes=True, stack=True):
     at https://ui.perfetto.dev); its folder is created."""
     if not callable(fn):
         raise TypeError(f"fn must be callable (a step to profile), got {type(fn).__name__}")
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    steps = count("steps", steps)
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=activities, profile_memory=memory, record_shapes=shapes, with_stack=stack)
@@ -95,18 +95,19 @@ class Profile:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
 
     # ---- operators -----------------------------------------------------------------------------
-    def top(self, by="time", n=10, python=False):
+    def top(self, by="time", n=10):
         """The n operators with the most self time, self memory (bytes allocated minus freed by the
         operator itself, on this device) or calls: [{name, calls, self_time_s, total_time_s, self_bytes}].
-        With stack=True the profile also holds Python functions and modules; python=True keeps them."""
+        Operators only, on every torch: with stack=True torch 2.13's averages also hold the Python tracer's
+        functions and modules (pytorch/pytorch#178168; 2.11's hold none, and #188631 drops them again by
+        default), which are left out here. Which Python line called an operator: `sources(name)`."""
         if by not in _BY:
             raise ValueError(f"by must be one of {tuple(_BY)}, got {by!r}")
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be a positive int, got {n!r}")
+        n = count("n", n)
         cuda = self.device == "cuda"
         rows = []
         for e in self._key_averages():
-            if not python and _is_python(e.key):
+            if _is_python(e.key):
                 continue
             rows.append({"name": e.key, "calls": e.count,
                          "self_time_s": (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6,

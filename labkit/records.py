@@ -177,13 +177,13 @@ _SKIP = set(_REQUIRED) | {"status", "seconds", "cuda"}
 
 
 def _shown(rec, keys=None):
-    from .units import fmt_figure as _figure
+    from .units import fmt_figure
     shown = []
     for key in (rec if keys is None else [k for k in keys if k in rec]):
         value = rec[key]
         if key in _SKIP or not isinstance(value, (int, float, str)):      # nested details: gpu_figures has them
             continue
-        shown.append(f"{key} {('yes' if value else 'no') if isinstance(value, bool) else _figure(key, value)}")
+        shown.append(f"{key} {('yes' if value else 'no') if isinstance(value, bool) else fmt_figure(key, value)}")
     return ", ".join(shown) or "(no one-number figures in this record)"
 
 

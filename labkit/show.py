@@ -1,6 +1,6 @@
 """Show the code a notebook teaches: `lk.show(fn)`, syntax-highlighted, only the lines the lesson needs.
 
-    lk.show(zero.Zero.local_grad)                     # one function, method or class, whole
+    lk.show(zero.DDP.local_grad)                      # one function, method or class, whole
     lk.show(HostAdam.step, start="for p", end="copy_") # from the first line containing `start` to the first
                                                       # line after it containing `end` (both shown)
     lk.show(BlockAllocator.allocate, BlockAllocator.free)  # several, one after another

@@ -9,7 +9,6 @@ data/workbook.json; a figure no machine measured says "not measured".
 """
 from __future__ import annotations
 
-import base64
 import datetime
 import html
 import json
@@ -20,6 +19,7 @@ import platform
 import re
 import time
 
+from .checks import count
 from .data import DATA_DIR
 from .units import fmt_figure
 
@@ -379,8 +379,7 @@ def run(names=None, folder=None, build=None, cell_timeout=None, log=print):
     folder = pathlib.Path(folder or ROOT / "notebooks")
     build = pathlib.Path(build or ROOT / "build")
     cell_timeout = CELL_TIMEOUT_S[size()] if cell_timeout is None else cell_timeout
-    if isinstance(cell_timeout, bool) or not isinstance(cell_timeout, int) or cell_timeout <= 0:
-        raise ValueError(f"cell_timeout must be a positive number of seconds, got {cell_timeout!r}")
+    cell_timeout = count("cell_timeout", cell_timeout)       # seconds
     paths = select(names, folder)                  # a bad name fails here, before any notebook runs
     reg = registry()
     executed_dir, html_dir = build / "executed", build / "html"

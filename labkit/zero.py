@@ -20,6 +20,10 @@ that per rank. `COMM` adds up, per rank and per kind, the bytes of the buffer of
 module calls; `comm_volume()` sums them the paper's way.
 The optimizer is `torch.optim.AdamW` itself, run on this rank's fp32 master shards: the same arithmetic
 per element as a single process, so the sharded run can be compared with it.
+
+Each stage is its own small class, written as what it changes in the one before (picotron gives each
+variant its own class): `DDP` (stage 0), `Zero1(DDP)`, `Zero2(Zero1)`, `Zero3(Zero1)`; `STAGES` maps a stage
+to its class and `engine(model, stage)` builds one.
 """
 from __future__ import annotations
 
@@ -29,10 +33,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["COMM", "reset_comm", "comm_volume", "shard_size", "shard", "unshard", "all_reduce", "reduce_scatter",
-           "all_gather", "Zero", "Gather", "STAGES"]
+from .checks import count, index
 
-STAGES = (0, 1, 2, 3)
+__all__ = ["COMM", "reset_comm", "comm_volume", "shard_size", "shard", "unshard", "all_reduce", "reduce_scatter",
+           "all_gather", "Gather", "DDP", "Zero1", "Zero2", "Zero3", "STAGES", "engine"]
+
 COMM = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "all_gather_backward": 0, "calls": 0}
 
 
@@ -53,18 +58,9 @@ def _count(kind, nbytes):
     COMM["calls"] += 1
 
 
-def _check_rank(rank, world):
-    for name, value, low in (("world", world, 1), ("rank", rank, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if rank >= world:
-        raise ValueError(f"rank must be < world ({world}), got {rank}")
-
-
 def shard_size(numel, world):
     """Elements per rank of a tensor of `numel` elements: ceil(numel / world) (the last shard padded)."""
-    _check_rank(0, world)
-    return -(-numel // world)
+    return -(-numel // count("world", world))
 
 
 def shard(t, rank, world):
@@ -72,7 +68,8 @@ def shard(t, rank, world):
     zeros to world*S elements, S = shard_size(t.numel(), world). A copy, so the full tensor can be freed."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
-    _check_rank(rank, world)
+    world = count("world", world)
+    rank = index("rank", rank, world)
     s = shard_size(t.numel(), world)
     flat = t.detach().reshape(-1)
     out = torch.zeros(s, dtype=t.dtype, device=t.device)
@@ -152,47 +149,63 @@ class _SavedWeight:
         self.i, self.size, self.stride, self.offset = i, t.size(), t.stride(), t.storage_offset()
 
 
-class Zero:
-    """ZeRO stage 0 (DDP), 1, 2 or 3 for `model` on the default process group, AdamW on fp32 master shards.
+# ---- stage 0: DDP ------------------------------------------------------------------------------------
+class DDP:
+    """Stage 0, plain data parallelism for `model` on the default process group: every rank holds the whole
+    model state, all-reduces the gradients after backward and updates every weight (AdamW on fp32 masters).
 
     Usage per step: `loss.backward(); engine.step()`. `model` holds the weights in their compute dtype
     (bf16 for mixed precision, fp32 for an exact comparison with a single process); each rank feeds it
     its own part of the batch, and the gradients are averaged over ranks.
-    units (stage 3): the modules whose weights are gathered together (default: every module that owns
-    parameters); their parameters must cover the model's, each parameter in exactly one unit.
-    After `__init__` in stage 3 the model holds no parameters: `self.local` holds this rank's shards.
     adamw: arguments for `torch.optim.AdamW` (lr, weight_decay, ...; its defaults otherwise).
     """
 
-    def __init__(self, model, stage, units=None, **adamw):
-        if stage not in STAGES:
-            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
-        self.model, self.stage, self.tracker = model, stage, None
+    stage = 0
+
+    def __init__(self, model, **adamw):
+        self.model, self.tracker = model, None
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         named = list(model.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.weights = self.params                             # what this rank keeps of the weights
         self.numel = [p.numel() for p in self.params]
         self.shape = [p.shape for p in self.params]
-        ranks, me = (1, 0) if stage == 0 else (self.world, self.rank)   # DDP: one "shard", the whole tensor
-        self.master = [shard(p.float(), me, ranks).requires_grad_() for p in self.params]   # fp32 (S,)
+        self.master = [self.master_of(p).requires_grad_() for p in self.params]   # fp32 (S,)
         self.opt = torch.optim.AdamW(self.master, **{"foreach": False, **adamw})
-        self.grad_shards = [None] * len(self.params)
-        # the storages of the weights gathered for the running unit: a view of one, saved for backward, is
-        # replaced by a note (keyed by the storage itself, which real, fake and meta tensors all have)
-        self._hooks, self._gathered, self._regathered = [], WeakIdKeyDictionary(), {}
-        if stage == 2:
-            for i, p in enumerate(self.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._reduce_hook, i)))
-        if stage == 3:
-            self._shard_weights(units)
+
+    def master_of(self, p):
+        """The fp32 master weight of `p` this rank updates: DDP's is all of it (one "shard" of one)."""
+        return shard(p.float(), 0, 1)
+
+    def local_grad(self, i):
+        """This rank's averaged gradient of parameter i, as the optimizer needs it (fp32, master's shape)."""
+        g = self._present(self.params[i].grad, i)
+        return all_reduce(g).div_(self.world).reshape(-1).float()   # DDP: the whole averaged gradient
+
+    @torch.no_grad()
+    def step(self):
+        """Average the gradients over ranks, update this rank's master weights, give the model the new weights."""
+        for i, m in enumerate(self.master):
+            m.grad = self.local_grad(i)
+        self.opt.step()
+        for i, m in enumerate(self.master):
+            m.grad = None
+            self.update(i, m)
+
+    def update(self, i, m):
+        """Parameter i takes its updated master weight m; its gradient is done."""
+        self.params[i].copy_(m.view(self.shape[i]))
+        self.params[i].grad = None
 
     # ---- what each rank holds, by category ----------------------------------------------------------
+    def gradients(self):
+        """The gradients this rank holds now."""
+        return [p.grad for p in self.weights if p.grad is not None]
+
     def states(self):
         """{category: tensors} this rank holds between steps: weights, gradients, optimizer (master + moments)."""
-        weights = self.local if self.stage == 3 else self.params
-        grads = [p.grad for p in weights if p.grad is not None] + [g for g in self.grad_shards if g is not None]
-        return {"parameters": list(weights), "gradients": grads,
+        return {"parameters": list(self.weights), "gradients": self.gradients(),
                 "optimizer": list(self.master) + [t for st in self.opt.state.values() for t in st.values()]}
 
     def watch(self, tracker):
@@ -206,9 +219,48 @@ class Zero:
         if self.tracker is not None:
             self.tracker.label(t, category)
 
-    # ---- stages 0 to 2 -----------------------------------------------------------------------------------
+    def _present(self, g, i):
+        if g is None:
+            raise RuntimeError(f"parameter {self.names[i]} has no gradient: call backward() before step()")
+        return g
+
+
+# ---- stage 1: the optimizer state sharded ------------------------------------------------------------
+class Zero1(DDP):
+    """ZeRO-1: as DDP, but this rank keeps the fp32 master weights and Adam's moments of its shard only; the
+    gradients are reduce-scattered (this rank gets its shard of the average) and the updated 16-bit shards
+    all-gathered back into every rank's whole model."""
+
+    stage = 1
+
+    def master_of(self, p):
+        return shard(p.float(), self.rank, self.world)
+
+    def local_grad(self, i):
+        g = self._present(self.params[i].grad, i)
+        return reduce_scatter(g, self.world).div_(self.world).float()   # only this rank's shard of the average
+
+    def update(self, i, m):
+        full = all_gather(m.to(self.params[i].dtype), self.world)        # every rank's updated shard
+        self.params[i].copy_(full[: self.numel[i]].view(self.shape[i]))
+        self.params[i].grad = None
+
+
+# ---- stage 2: the gradients sharded too --------------------------------------------------------------
+class Zero2(Zero1):
+    """ZeRO-2: as ZeRO-1, but each gradient is reduce-scattered as soon as backward has made it (a hook on
+    the parameter) and the full one freed, so no rank ever holds all the gradients."""
+
+    stage = 2
+
+    def __init__(self, model, **adamw):
+        super().__init__(model, **adamw)
+        self.grad_shards = [None] * len(self.params)
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._reduce_hook, i))
+                       for i, p in enumerate(self.params)]
+
     def reduce_now(self, i):
-        """Stage 2, called as backward finishes parameter i's gradient: keep only this rank's shard of it."""
+        """Called as backward finishes parameter i's gradient: keep only this rank's shard of it."""
         p = self.params[i]
         self.grad_shards[i] = reduce_scatter(p.grad, self.world).div_(self.world)
         self._label(self.grad_shards[i], "gradients")
@@ -218,41 +270,41 @@ class Zero:
         self.reduce_now(i)
 
     def local_grad(self, i):
-        """This rank's averaged gradient of parameter i, as the optimizer needs it (fp32, master's shape)."""
-        if self.stage == 2:
-            g = self.grad_shards[i]                            # reduce-scattered during backward
-        elif self.stage == 3:
-            g = self.local[i].grad                             # reduce-scattered by Gather's backward
-        else:
-            g = self.params[i].grad
-        if g is None:
-            raise RuntimeError(f"parameter {self.names[i]} has no gradient: call backward() before step()")
-        if self.stage == 0:                                    # DDP: the whole averaged gradient
-            g = all_reduce(g).div_(self.world).reshape(-1)
-        elif self.stage == 1:                                  # ZeRO-1: only this rank's shard of the average
-            g = reduce_scatter(g, self.world).div_(self.world)
-        return g.float()
+        return self._present(self.grad_shards[i], i).float()   # reduce-scattered during backward
 
-    @torch.no_grad()
-    def step(self):
-        """Average the gradients over ranks, update this rank's master shards, give the model the new weights."""
-        for i, m in enumerate(self.master):
-            m.grad = self.local_grad(i)
-        self.opt.step()
-        for i, m in enumerate(self.master):
-            m.grad = None
-            if self.stage == 0:
-                self.params[i].copy_(m.view(self.shape[i]))
-                self.params[i].grad = None
-            elif self.stage in (1, 2):
-                full = all_gather(m.to(self.params[i].dtype), self.world)
-                self.params[i].copy_(full[: self.numel[i]].view(self.shape[i]))
-                self.params[i].grad, self.grad_shards[i] = None, None
-            else:
-                self.local[i].copy_(m)
-                self.local[i].grad = None
+    def update(self, i, m):
+        super().update(i, m)
+        self.grad_shards[i] = None
 
-    # ---- stage 3 ----------------------------------------------------------------------------------------
+    def gradients(self):
+        return super().gradients() + [g for g in self.grad_shards if g is not None]
+
+
+# ---- stage 3: the weights sharded too ----------------------------------------------------------------
+class Zero3(Zero1):
+    """ZeRO-3: the weights sharded too. After `__init__` the model holds no parameters and `self.local` holds
+    this rank's shards; hooks gather a unit's weights just before its forward (`Gather`) and drop them after
+    it, and `Gather`'s backward reduce-scatters each gradient during backward, as ZeRO-2's hook does.
+
+    units: the modules whose weights are gathered together (default: every module that owns parameters);
+    their parameters must cover the model's, each parameter in exactly one unit."""
+
+    stage = 3
+
+    def __init__(self, model, units=None, **adamw):
+        super().__init__(model, **adamw)
+        # the storages of the weights gathered for the running unit: a view of one, saved for backward, is
+        # replaced by a note (keyed by the storage itself, which real, fake and meta tensors all have)
+        self._hooks, self._gathered, self._regathered = [], WeakIdKeyDictionary(), {}
+        self._shard_weights(units)
+
+    def local_grad(self, i):
+        return self._present(self.local[i].grad, i).float()    # reduce-scattered by Gather's backward
+
+    def update(self, i, m):
+        self.local[i].copy_(m)
+        self.local[i].grad = None
+
     def _shard_weights(self, units):
         """Replace every parameter by this rank's shard; hooks gather a unit's weights around its forward."""
         model = self.model
@@ -277,7 +329,7 @@ class Zero:
                 setattr(mod, name, None)
             self._hooks.append(unit.register_forward_pre_hook(self.before_forward))
             self._hooks.append(unit.register_forward_hook(self._after_forward, always_call=True))
-        self.params = []                                      # nothing full is kept between steps
+        self.params, self.weights = [], self.local            # nothing full is kept between steps
 
     def before_forward(self, unit, args):
         for mod, name, i in self.owners[unit]:
@@ -315,8 +367,14 @@ class Zero:
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
 
-# The names these had before they were shown in notebook 10 (kept for callers of the old names).
-_Gather = Gather
-_all_reduce, _reduce_scatter, _all_gather = all_reduce, reduce_scatter, all_gather
-Zero._reduce_now, Zero._local_grad = Zero.reduce_now, Zero.local_grad
-Zero._before_forward, Zero._pack, Zero._unpack = Zero.before_forward, Zero.pack, Zero.unpack
+STAGES = {0: DDP, 1: Zero1, 2: Zero2, 3: Zero3}
+
+
+def engine(model, stage, units=None, **adamw):
+    """The engine of ZeRO stage `stage` (0 is DDP) for `model`: STAGES[stage](model, **adamw), and `units` for
+    stage 3 (the modules gathered together; the other stages keep whole weights and ignore it)."""
+    if count("stage", stage, 0) not in STAGES:
+        raise ValueError(f"stage must be one of {tuple(STAGES)}, got {stage!r}")
+    if stage == 3:
+        return Zero3(model, units=units, **adamw)
+    return STAGES[stage](model, **adamw)

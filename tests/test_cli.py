@@ -2,7 +2,8 @@ import json
 
 import nbformat
 
-from labkit.cli import main, notebook_meta, readiness, strip_solutions, student
+from labkit.cli import main, notebook_meta, readiness
+from labkit.course import strip_solutions, student
 
 
 def test_doctor_lists_notebooks(capsys):

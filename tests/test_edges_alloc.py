@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from labkit.alloc import MiB, Allocator, parse_conf, phases, replay
+from labkit.alloc import Allocator, parse_conf, phases, replay
+from labkit.units import MiB
 
 
 @pytest.mark.parametrize("conf, says", [

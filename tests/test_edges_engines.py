@@ -49,7 +49,7 @@ def test_run_without_a_workdir_leaves_no_folder_behind(tmp_path, monkeypatch):
 
 
 def test_malloc_mmap_threshold_is_checked_before_any_work(no_subprocess):
-    with pytest.raises(ValueError, match="malloc_mmap_threshold must be None or a number of bytes >= 0, got '64k'"):
+    with pytest.raises(ValueError, match="malloc_mmap_threshold must be .*, got '64k'"):
         engines.run("eager", malloc_mmap_threshold="64k")
     with pytest.raises(ValueError, match="malloc_mmap_threshold must be .* got -1"):
         engines.compare([("eager", {"malloc_mmap_threshold": -1})])

@@ -53,7 +53,7 @@ def test_a_config_with_a_size_below_one_is_refused_naming_the_field(tmp_path, fi
     data[field] = value
     path = tmp_path / "config.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=rf"config {field} must be a positive int, got {value!r}"):
+    with pytest.raises(ValueError, match=rf"config {field} must be an int >= 1, got {value!r}"):
         lk.estimate(str(path), 1, 64)
 
 

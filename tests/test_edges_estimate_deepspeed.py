@@ -12,7 +12,8 @@ import functools
 import pytest
 
 import labkit as lk
-from labkit.estimate import _build, load_config
+from labkit.estimate import load_config
+from labkit.estimate.config import build_model
 
 
 def deepspeed_zero2_gpu(total_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True):
@@ -40,7 +41,7 @@ def deepspeed_zero3_gpu(total_params, largest_layer_params, num_gpus_per_node=1,
 
 @functools.lru_cache(maxsize=None)
 def params_of(name):
-    return model_to_params(_build(load_config(name), "meta"))
+    return model_to_params(build_model(load_config(name), "meta"))
 
 
 def model_to_params(model):

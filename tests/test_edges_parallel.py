@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from labkit.launch import _alive, launch
-from labkit.parallel import ColumnParallelLinear, RowParallelLinear
+from labkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_column_and_row_parallel_keep_a_bias(monkeypatch):
     """Two ranks simulated in one process (the all-reduce replaced by a sum over the two partial outputs):
     column-parallel shards the bias with the output features, row-parallel adds it once after the sum.
     Tolerance: fp32 sums in a different order, 1e-6."""
-    import labkit.parallel as par
+    from labkit import tensor_parallel
     torch.manual_seed(0)
     col, row, x = torch.nn.Linear(8, 6), torch.nn.Linear(6, 8), torch.randn(3, 8)
     shards = [ColumnParallelLinear(col, r, 2) for r in range(2)]
@@ -63,7 +63,7 @@ def test_column_and_row_parallel_keep_a_bias(monkeypatch):
     rows = [RowParallelLinear(row, r, 2) for r in range(2)]
     h = col(x)
     parts = [torch.nn.functional.linear(h.chunk(2, -1)[r], rows[r].weight) for r in range(2)]
-    monkeypatch.setattr(par, "reduce_from_parallel", lambda y: sum(parts))
+    monkeypatch.setattr(tensor_parallel, "reduce_from_parallel", lambda y: sum(parts))
     torch.testing.assert_close(rows[0](h.chunk(2, -1)[0]), row(h), rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\), got 2"):
         ColumnParallelLinear(col, 2, 2)

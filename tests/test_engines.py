@@ -151,9 +151,9 @@ def test_bad_input_names_the_argument():
         engines.run("warp")
     with pytest.raises(ValueError, match="model must be one of .*'resnet-7'"):
         engines.run("eager", model="resnet-7")
-    with pytest.raises(ValueError, match="repeat must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="repeat must be .*, got 0"):
         engines.run("eager", repeat=0)
-    with pytest.raises(ValueError, match="batch must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="batch must be .*, got 0"):
         engines.example_input(batch=0)
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
         engines.run("eager", device="tpu")

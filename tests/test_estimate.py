@@ -84,8 +84,9 @@ def test_korthikanti_output_layer_term():
     out = korthikanti_bytes(h, 12, s, layers=0, vocab=v)
     assert out == 4 * s * h * (1 + v / h)
     # labkit's GPT-2 head in 16-bit: the logits (2V) plus the fp32 log-softmax (4V) per token, and ln_f
-    from labkit.estimate import _head_terms, _shape
-    head, logits = _head_terms(_shape("gpt2-124m"), "bf16", training=False)
+    from labkit.estimate import model_shape
+    from labkit.estimate.formulas import head_terms
+    head, logits = head_terms(model_shape("gpt2-124m"), "bf16", training=False)
     assert (head + logits) * s == pytest.approx(out * 6 / 4, rel=0.02)
 
 
@@ -127,7 +128,7 @@ def test_selective_recompute_drops_only_the_scores():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(batch=0), "batch must be a positive int, got 0"),
+    (dict(batch=0), "batch must be an int >= 1, got 0"),
     (dict(seq="long"), "seq must be an int >= 1, got 'long'"),
     (dict(dtype="fp8"), "dtype must be one of .*'fp8'"),
     (dict(optimizer="lion"), "optimizer must be one of .*'lion'"),
@@ -137,8 +138,8 @@ def test_selective_recompute_drops_only_the_scores():
     (dict(training=False, seq=4000, kv_tokens=4200), "kv_tokens must be <= max_position_embeddings 4096"),
     (dict(logits_to_keep=-1), "logits_to_keep must be an int >= 0, got -1"),
     (dict(method="guess"), "method must be 'auto', 'formula' or 'fake', got 'guess'"),
-    (dict(max_positions=-1), "max_positions must be a positive int, got -1"),
-    (dict(max_positions=0), "max_positions must be a positive int, got 0"),
+    (dict(max_positions=-1), "max_positions must be an int >= 1, got -1"),
+    (dict(max_positions=0), "max_positions must be an int >= 1, got 0"),
     (dict(max_positions="long"), "max_positions must be an int >= 1, got 'long'"),
 ])
 def test_bad_input(kwargs, message):

@@ -64,7 +64,7 @@ def test_inference_and_measured_paths_are_divided_too():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(dp=0), "dp must be a positive int, got 0"),
+    (dict(dp=0), "dp must be an int >= 1, got 0"),
     (dict(tp=1.5), "tp must be an int >= 1, got 1.5"),
     (dict(pp=True), "pp must be an int >= 1, got True"),
     (dict(zero=4), r"zero must be one of \(0, 1, 2, 3\).*got 4"),
@@ -80,7 +80,7 @@ def test_bad_parallel_arguments_name_themselves(kw, match):
 def test_zero_is_for_training():
     with pytest.raises(ValueError, match="zero shards training state"):
         lk.estimate("llama-2-7b", 1, 512, "bf16", training=False, zero=3, dp=8)
-    with pytest.raises(ValueError, match="params must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="params must be an int >= 1, got 0"):
         model_states(0)
 
 

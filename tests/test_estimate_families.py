@@ -93,11 +93,11 @@ def test_sliding_window_caps_the_cache():
 
 
 def test_untied_embeddings_and_biases_are_counted():
-    from labkit.estimate import _build
+    from labkit.estimate.config import build_model
     for name, kw in [("gpt2-124m", dict(tie_word_embeddings=False)), ("qwen2-7b", {}), ("phi-2", {}),
                      ("opt-13b", dict(word_embed_proj_dim=64)), ("bert-large", dict(tie_word_embeddings=False))]:
         cfg = tiny(name, **kw)
-        assert lk.param_count(cfg) == sum(p.numel() for p in _build(cfg, "meta").parameters()), name
+        assert lk.param_count(cfg) == sum(p.numel() for p in build_model(cfg, "meta").parameters()), name
     full = lk.models.family_config("gpt2-124m", "full", tie_word_embeddings=False)
     assert lk.param_count(full) - lk.param_count(lk.models.family_config("gpt2-124m", "full")) == 50257 * 768
 
@@ -146,7 +146,8 @@ def test_7b_width_on_fake_tensors(name):
 def test_amp_weight_copies_for_every_family():
     """Autocast keeps a 16-bit copy of every matmul weight through backward: GPT-2 is measured on fake
     tensors under autocast, which counts them, and agrees with a real autocast step."""
-    from labkit.estimate import _linear_params, _shape
+    from labkit.estimate import model_shape
+    from labkit.estimate.params import linear_params
     cfg = tiny("gpt2-124m")
     est = lk.estimate(cfg, BATCH, SEQ, "amp-bf16", "adamw")
     first, mem = measured(cfg, BATCH, SEQ, "amp-bf16", "adamw")
@@ -154,7 +155,7 @@ def test_amp_weight_copies_for_every_family():
     states = (est.parts["parameters"] + est.parts["gradients"] + est.parts["optimizer"]) / est.params
     assert states == pytest.approx(16, abs=0.01)
     fp32 = lk.estimate(cfg, BATCH, SEQ, "fp32", "adamw", device="cpu").parts["activations"]
-    copies = 2 * _linear_params(_shape(cfg))
+    copies = 2 * linear_params(model_shape(cfg))
     assert est.parts["activations"] > copies and mem.at("forward end")["activations"] > copies
     assert est.parts["activations"] < fp32 + copies
 

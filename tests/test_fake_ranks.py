@@ -1,11 +1,11 @@
 """One rank of a layout, measured alone: `labkit.launch.fake_ranks` (PyTorch's fake process group), the layers
-of `labkit.parallel.shard_llama` and `labkit.zero`'s ZeRO-3 on it, on real and on FakeTensorMode tensors."""
+of `labkit.tensor_parallel.shard_llama` and `labkit.zero`'s ZeRO-3 on it, on real and on FakeTensorMode tensors."""
 import pytest
 import torch
 import torch.distributed as dist
 
 import labkit as lk
-from labkit import parallel as par
+from labkit import tensor_parallel
 from labkit import zero
 from labkit.launch import fake_ranks
 from labkit.scripts.tensor_parallel import assert_same_adam_step
@@ -22,9 +22,9 @@ def test_fake_ranks_makes_this_process_one_rank_and_then_leaves():
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("kwargs, message", [(dict(world=0), "world must be a positive int, got 0"),
+@pytest.mark.parametrize("kwargs, message", [(dict(world=0), "world must be .*, got 0"),
                                              (dict(world=2, rank=2), r"rank must be an int in \[0, 2\), got 2"),
-                                             (dict(world=True), "world must be a positive int, got True")])
+                                             (dict(world=True), "world must be .*, got True")])
 def test_fake_ranks_bad_input(kwargs, message):
     with pytest.raises(ValueError, match=message):
         with fake_ranks(**kwargs):
@@ -41,14 +41,14 @@ def test_a_tensor_parallel_rank_holds_its_share_of_the_blocks_and_the_rest_whole
     model = lk.models.build("llama-2-7b", "tiny")
     blocks, rest = _blocks_and_rest(model)
     with fake_ranks(4):
-        par.shard_llama(model, rank=1, world=4)
+        tensor_parallel.shard_llama(model, rank=1, world=4)
         assert sum(p.nbytes for p in model.parameters()) == blocks // 4 + rest
         ids = next(lk.data.batches(2, 16))
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss      # runs; its value means nothing here
         loss.backward()
         assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
     with fake_ranks(3), pytest.raises(ValueError, match="must divide by the world size 3"):
-        par.shard_llama(lk.models.build("llama-2-7b", "tiny"), rank=0, world=3)
+        tensor_parallel.shard_llama(lk.models.build("llama-2-7b", "tiny"), rank=0, world=3)
 
 
 def _zero3_step(device):
@@ -58,7 +58,7 @@ def _zero3_step(device):
         ids = next(lk.data.batches(2, 32))                 # real token ids: fake tensors cannot be sampled
         with model.fake_mode if device == "fake" else _nothing():
             units = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
-            engine = zero.Zero(model, 3, units=units, lr=1e-3)
+            engine = zero.Zero3(model, units=units, lr=1e-3)
             for _ in range(2):
                 zero.reset_comm()
                 with lk.track(model, engine.states()) as mem:

@@ -3,12 +3,11 @@
 Each notebook's parameters cell (its first code cell, tagged `parameters`) ends with
     FULL_STEPS = {"step name": dict(config=..., batch=..., seq=..., dtype=..., ..., beside={"what": bytes}),
                   "other": dict(bytes=...)}
-    HEADROOM = 0.10
 This test executes that cell with LABKIT_SIZE=full in a fresh process (one per notebook, a few at a time),
 estimates each model entry with `lk.estimate(**entry, device="cuda")` (entries with `bytes` are taken as
 given), adds what the entry's `beside` says stays alive on the device beside the step (another model, a copy of
-the gradients), and asserts that each step fits 24 GiB * (1 - HEADROOM): an out-of-memory error by design is
-caught here, without a GPU.
+the gradients), and asserts that each step fits lk.CARD * (1 - lk.HEADROOM) = 21.6 GiB: an out-of-memory
+error by design is caught here, without a GPU. The headroom is labkit's, not the notebook's.
 
 A declaration can forget what a cell keeps alive. For the notebooks in CELLS_CHECKED the test also runs the
 notebook at tiny size (the same code as at full size, on the CPU) and counts, cell by cell, the peak of the
@@ -25,9 +24,10 @@ import sys
 
 import pytest
 
+from labkit.device import CARD, HEADROOM
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-CARD = 24 * 2**30                      # L4, A10, RTX 4090: the card a workshop can count on
 GiB = 2**30
 
 # Runs in the child: the parameters cell at full size (labkit.scripts.gpu_smoke.full_steps, which
@@ -40,7 +40,7 @@ def done(**out):
     sys.exit(0)
 from labkit.scripts.gpu_smoke import NoPlan, full_steps
 try:
-    steps, headroom = full_steps(sys.argv[1])
+    steps = full_steps(sys.argv[1])
 except NoPlan as e:
     done(error=str(e))
 except BaseException:
@@ -61,7 +61,7 @@ for name, kw in steps.items():
             out[str(name)]["how"] += " + " + ", ".join(step["beside"])
     except Exception as e:
         out[str(name)] = dict(error=f"{type(e).__name__}: {e}")
-done(steps=out, headroom=headroom)
+done(steps=out)
 '''
 
 
@@ -82,18 +82,18 @@ def plan(notebook):
 
 
 def problems(notebook, result):
-    """Every way the notebook's full size misses the 24 GiB card, one message each (empty: it fits)."""
+    """Every way the notebook's full size misses the workshop card, one message each (empty: it fits)."""
     name = pathlib.Path(notebook).name
     if "error" in result:
         return [f"{name}: {result['error']}"]
-    limit = CARD * (1 - result["headroom"])
+    limit = CARD * (1 - HEADROOM)
     out = []
     for step, got in result["steps"].items():
         if "error" in got:
             out.append(f"{name}: step {step!r} could not be estimated: {got['error']}")
         elif got["bytes"] > limit:
             out.append(f"{name}: step {step!r} needs {got['bytes'] / GiB:.1f} GiB ({got['how']}), over the "
-                       f"{limit / GiB:.1f} GiB limit (24 GiB with HEADROOM {result['headroom']:g} left free)")
+                       f"{limit / GiB:.1f} GiB limit ({CARD / GiB:.0f} GiB with HEADROOM {HEADROOM:g} left free)")
     return out
 
 
@@ -140,7 +140,7 @@ def test_a_step_over_budget_is_named_with_its_gib_and_the_limit(tmp_path):
                           "    'naive attention': dict(bytes=23 * 2**30),\n"
                           "    'training step': dict(config='llama-2-7b', batch=1, seq=512, dtype='fp32', optimizer='adamw'),\n"
                           "    'small step': dict(config='gpt2-124m', batch=1, seq=128, dtype='bf16', optimizer='adamw'),\n"
-                          "}\nassert SIZE == 'full'\nHEADROOM = 0.10\n")
+                          "}\nassert SIZE == 'full'\n")
     result = plan(path)
     assert set(result["steps"]) == {"fits", "naive attention", "training step", "small step"}
     found = problems(path, result)
@@ -152,19 +152,20 @@ def test_a_step_over_budget_is_named_with_its_gib_and_the_limit(tmp_path):
 
 
 def test_a_notebook_without_a_plan_fails_with_a_clear_message(tmp_path):
-    found = problems("99_toy.ipynb", plan(_toy(tmp_path, "BATCH = 4\nHEADROOM = 0.1\n")))
+    found = problems("99_toy.ipynb", plan(_toy(tmp_path, "BATCH = 4\n")))
     assert found == ["99_toy.ipynb: its parameters cell does not define FULL_STEPS (contract 1: FULL_STEPS = "
-                     "{step: lk.estimate keywords or dict(bytes=...)}, HEADROOM = 0.10)"]
+                     "{step: lk.estimate keywords or dict(bytes=...)})"]
     found = problems("99_toy.ipynb", plan(_toy(tmp_path, "FULL_STEPS = {'x': dict(bytes=1)}\n", tagged=False)))
     assert found == ["99_toy.ipynb: its first code cell is not tagged `parameters`"]
 
 
 def test_bad_entries_and_a_raising_cell_are_reported_not_skipped(tmp_path):
     found = problems("99_toy.ipynb", plan(_toy(tmp_path, "FULL_STEPS = {'x': dict(bytes=1, batch=2), "
-                                                         "'y': dict(config='gpt2-124m', batchh=2)}\nHEADROOM = 1.5\n")))
-    assert found == ["99_toy.ipynb: HEADROOM must be a fraction in [0, 1), got 1.5"]
+                                                         "'y': dict(config='gpt2-124m', batchh=2)}\nHEADROOM = 0.2\n")))
+    assert found == ["99_toy.ipynb: its parameters cell sets HEADROOM = 0.2: the headroom is labkit's "
+                     "(lk.HEADROOM = 0.1), the same for every notebook"]
     found = problems("99_toy.ipynb", plan(_toy(tmp_path, "FULL_STEPS = {'x': dict(bytes=1, batch=2), "
-                                                         "'y': dict(config='gpt2-124m', batchh=2)}\nHEADROOM = 0.1\n")))
+                                                         "'y': dict(config='gpt2-124m', batchh=2)}\n")))
     assert len(found) == 2 and "an entry with bytes holds nothing else" in found[0]
     assert "'y' could not be estimated: TypeError" in found[1] and "batchh" in found[1]
     found = problems("99_toy.ipynb", plan(_toy(tmp_path, "raise RuntimeError('boom')\n")))
@@ -173,7 +174,7 @@ def test_bad_entries_and_a_raising_cell_are_reported_not_skipped(tmp_path):
 
 def test_what_stays_alive_beside_a_step_counts_against_the_card(tmp_path):
     path = _toy(tmp_path, "FULL_STEPS = {'step': dict(bytes='15 GiB', beside={'a second model': '4 GiB', "
-                          "'its gradients': 4 * 2**30}), 'small': dict(bytes='1 GiB', beside={})}\nHEADROOM = 0.10\n")
+                          "'its gradients': 4 * 2**30}), 'small': dict(bytes='1 GiB', beside={})}\n")
     result = plan(path)
     found = problems(path, result)
     assert found == ["99_toy.ipynb: step 'step' needs 23.0 GiB (given + a second model, its gradients), over the "
@@ -349,8 +350,7 @@ def test_the_cell_check_finds_a_second_model_kept_beside_a_step(tmp_path):
     deleted before the second is built: not caught."""
     import nbformat
     params = ("import torch\nimport labkit as lk\nCONFIG = lk.models.config('llama-2-7b', 'tiny')\n"
-              "FULL_STEPS = {'plain step': dict(config=CONFIG, batch=2, seq=64, dtype='fp32', optimizer='adamw')}\n"
-              "HEADROOM = 0.10\n")
+              "FULL_STEPS = {'plain step': dict(config=CONFIG, batch=2, seq=64, dtype='fp32', optimizer='adamw')}\n")
     step = ("def step(m):\n    ids = torch.zeros(2, 64, dtype=torch.long)\n    opt = torch.optim.AdamW(m.parameters())\n"
             "    m(input_ids=ids, labels=ids, use_cache=False).loss.backward()\n    opt.step()\n    return opt\n")
     kept = step + ("plain = lk.models.build('llama-2-7b', 'tiny')\nadamw = step(plain)\n"

@@ -61,7 +61,7 @@ def test_a_jobs_minutes_come_from_its_last_run_on_this_gpu_else_its_metadata():
 
 
 def test_workers_are_what_memory_and_cores_allow():
-    """An H100 (79 GiB free) holds 3 fences of 22 GiB with 2 GiB beside each and 4 GiB kept free; an H200
+    """An H100 (79 GiB free) holds 3 fences of 21.6 GiB with 2 GiB beside each and 4 GiB kept free; an H200
     (139 GiB) 5, where 16 cores allow 5 (3 each); never more than the jobs, never fewer than one."""
     assert gr.workers_for(79 * GiB, 16, 15) == 3
     assert gr.workers_for(139 * GiB, 16, 15) == 5

@@ -298,9 +298,14 @@ def test_runnable_names_what_gpu_smoke_cannot_run():
     assert smoke.runnable(dict(bytes=2**30)) == "a step given by its bytes (no model to run)"
     assert smoke.runnable(dict(config="x", kv_tokens=10)) == "keywords gpu-smoke does not run: kv_tokens"
     assert smoke.runnable(dict(config="x", training=False)) == "an inference step (gpu-smoke runs training steps)"
-    assert smoke.runnable(dict(config="x", dtype="mixed")) == "dtype 'mixed'"
-    assert smoke.runnable(dict(config="x", optimizer="adamw-8bit")) == "optimizer 'adamw-8bit'"
     assert smoke.runnable(dict(config="x", recompute=4)) == "recompute=4 (only True or False)"
+    assert smoke.runnable(dict(config="x", dtype="mixed", optimizer="sgd")) == "dtype 'mixed'"
+    # what a plain loop does not run, labkit.plan.verify's step does: today's FULL_STEPS levers
+    assert smoke.how(dict(config="x", dtype="mixed")) == ("verify", "")
+    assert smoke.how(dict(config="x", optimizer="adamw-8bit")) == ("verify", "")
+    assert smoke.how(dict(config="x", dtype="bf16", fused_step=True, chunked_ce=True, beside={"ids": 8})) == ("verify", "")
+    assert smoke.how(dict(config="x", batch=2, accumulate=True)) == ("verify", "")
+    assert smoke.how(dict(config="x", beside={"a second model": "1 GiB"})) == ("plain", "")
 
 
 def _notebook(folder, source):
@@ -315,11 +320,11 @@ def _notebook(folder, source):
 
 
 def test_full_steps_reads_the_parameters_cell_and_restores_the_thread_count(tmp_path):
-    path = _notebook(tmp_path, "import torch\ntorch.set_num_threads(1)\nFULL_STEPS = {'a': dict(bytes=1)}\nHEADROOM = 0.1\n")
+    path = _notebook(tmp_path, "import torch\ntorch.set_num_threads(1)\nFULL_STEPS = {'a': dict(bytes=1)}\n")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert smoke.full_steps(path) == ({"a": {"bytes": 1}}, 0.1)
+        assert smoke.full_steps(path) == {"a": {"bytes": 1}}
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
@@ -330,12 +335,12 @@ def test_full_steps_reads_the_parameters_cell_and_restores_the_thread_count(tmp_
 
 def test_a_notebook_check_without_a_runnable_step_is_skipped_saying_why(tmp_path, monkeypatch):
     monkeypatch.setenv("LABKIT_SIZE", "tiny")        # the check sets "full" for the parameters cell: undone after
-    _notebook(tmp_path, "FULL_STEPS = {'naive attention': dict(bytes=2**30)}\nHEADROOM = 0.1\n")
+    _notebook(tmp_path, "FULL_STEPS = {'naive attention': dict(bytes=2**30)}\n")
     check = smoke.check_notebook("00_start_here")
     with pytest.raises(smoke.Skip, match=r"no FULL_STEPS entry gpu-smoke can run \(naive attention: a step given by its bytes"):
         check(smoke.Context(time.monotonic() + 60, tmp_path))
     _notebook(tmp_path, "BATCH = 1\n")
-    with pytest.raises(smoke.Skip, match="00_start_here: its parameters cell does not define FULL_STEPS and HEADROOM"):
+    with pytest.raises(smoke.Skip, match="00_start_here: its parameters cell does not define FULL_STEPS "):
         check(smoke.Context(time.monotonic() + 60, tmp_path))
     with pytest.raises(smoke.Skip, match="is not here"):
         smoke.check_notebook("01_memory_anatomy")(smoke.Context(time.monotonic() + 60, tmp_path))
@@ -435,20 +440,24 @@ def test_records_dir_holds_a_readme_and_nothing_typed_by_hand():
             assert not any(isinstance(v, float) and math.isnan(v) for v in rec.values())
 
 
-@pytest.mark.parametrize("preset, kw", [
-    ("llama-2-7b", dict(dtype="fp32", optimizer="adamw")),
-    ("gpt2-124m", dict(dtype="fp32", optimizer="sgd", recompute=True)),
-    ("bert-large", dict(dtype="fp32", optimizer=None)),
-], ids=["llama-adamw", "gpt2-sgd-recompute", "bert-masked-lm"])
-def test_a_full_steps_entry_runs_as_the_notebook_check_runs_it(preset, kw):
-    """The notebook check's step on a CPU at tiny size (on a GPU it also reads the allocator): it runs,
-    and lk.track's peak is within a factor 2 of the estimate (a bound loose enough for any model family
-    at tiny size, where the fixed buffers weigh most; the GPU record holds the real gap)."""
+@pytest.mark.parametrize("preset, kw, how", [
+    ("llama-2-7b", dict(dtype="fp32", optimizer="adamw"), "plain"),
+    ("gpt2-124m", dict(dtype="fp32", optimizer="sgd", recompute=True), "plain"),
+    ("bert-large", dict(dtype="fp32", optimizer=None), "plain"),
+    ("llama-2-7b", dict(dtype="mixed", optimizer="adamw", fused_step=True, chunked_ce=True,
+                        beside={"the token ids": 512}), "verify"),
+], ids=["llama-adamw", "gpt2-sgd-recompute", "bert-masked-lm", "llama-levers-beside"])
+def test_a_full_steps_entry_runs_as_the_notebook_check_runs_it(preset, kw, how):
+    """The notebook check's step on a CPU at tiny size (on a GPU it also reads the allocator): it runs, a
+    plain step as lk.estimate's own plain_step and one with levers as labkit.plan.verify's step, and lk.track's
+    peak is within a factor 2 of the estimate (a bound loose enough for any model family at tiny size, where
+    the fixed buffers weigh most; the GPU record holds the real gap). What stays beside counts on both sides."""
     import labkit as lk
     config = lk.models.config(preset, "tiny")
     figures = smoke.run_step(dict(config=config, batch=2, seq=32, **kw), device="cpu")
+    assert figures["how"] == how and figures["beside_bytes"] == sum(kw.get("beside", {}).values())
     assert figures["allocated_bytes"] is None and figures["reserved_bytes"] is None
-    assert figures["tracked_bytes"] > 0 and figures["step_s"] > 0
+    assert figures["tracked_bytes"] > figures["beside_bytes"] and (how == "verify" or figures["step_s"] > 0)
     assert 0.5 < figures["tracked_bytes"] / figures["estimated_bytes"] < 2, figures
 
 
@@ -499,7 +508,7 @@ import importlib.util, json, os, pathlib
 assert importlib.util.find_spec("IPython") is None, "IPython is not hidden"
 os.environ["LABKIT_SIZE"] = "full"
 from labkit.scripts import gpu_smoke as smoke
-plans = {nb.stem: sorted(smoke.full_steps(nb)[0]) for nb in sorted(pathlib.Path("notebooks").glob("[0-9][0-9]_*.ipynb"))}
+plans = {nb.stem: sorted(smoke.full_steps(nb)) for nb in sorted(pathlib.Path("notebooks").glob("[0-9][0-9]_*.ipynb"))}
 assert importlib.util.find_spec("IPython") is None, "the stand-in outlived the parameters cell"
 print(json.dumps(plans))
 """

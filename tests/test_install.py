@@ -41,7 +41,7 @@ def test_wheel_installs_and_runs(tmp_path):
     subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", site, wheel],
                    check=True, capture_output=True)
     check = f"""
-import importlib.util, pathlib, labkit as lk, labkit.parallel, labkit.alloc, labkit.paged, labkit.workbook
+import importlib.util, pathlib, labkit as lk, labkit.launch, labkit.tensor_parallel, labkit.alloc, labkit.paged, labkit.workbook
 site = pathlib.Path({str(site)!r})
 assert pathlib.Path(lk.__file__).is_relative_to(site), lk.__file__
 assert lk.data.DATA_DIR == site / "labkit" / "_data", lk.data.DATA_DIR
@@ -49,7 +49,7 @@ batch = next(lk.data.batches(2, 16))
 assert tuple(batch.shape) == (2, 16) and int(batch.max()) < 4096
 script = importlib.util.find_spec("labkit.scripts.tensor_parallel").origin
 assert pathlib.Path(script).is_relative_to(site), script
-result = lk.parallel.launch("labkit.scripts.tensor_parallel", nproc=2, timeout=240)
+result = lk.launch.launch("labkit.scripts.tensor_parallel", nproc=2, timeout=240)
 assert result["world"] == 2, result
 print("ok", lk.data.DATA_DIR, result["world"])
 """

@@ -99,9 +99,9 @@ def test_matmul_twin_bad_input():
         kernels.panels_read([], wave=2)
     with pytest.raises(ValueError, match="pid must be below"):
         kernels.grouped_pid(12, 3, 4, 2)
-    with pytest.raises(ValueError, match="group_m must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="group_m must be .*, got 0"):
         kernels.grouped_pid(0, 3, 4, 0)
-    with pytest.raises(ValueError, match="wave must be a positive int"):
+    with pytest.raises(ValueError, match="wave must be .*, got 0"):
         kernels.blocks_loaded(3, 3, 1, wave=0)
 
 
@@ -252,13 +252,13 @@ def test_cross_entropy_bad_input():
         kernels.linear_cross_entropy(h, w.T, t)
     with pytest.raises(ValueError, match="targets must be an int64"):
         kernels.linear_cross_entropy(h, w, t.int())
-    with pytest.raises(ValueError, match="chunk must be a positive int"):
+    with pytest.raises(ValueError, match="chunk must be .*, got 0"):
         kernels.linear_cross_entropy(h, w, t, chunk=0)
     with pytest.raises(ValueError, match="hidden must be a 2-D"):
         kernels.linear_cross_entropy(h[None], w, t)
     with pytest.raises(ValueError, match="forward must be one of .*got 'fused'"):
         kernels.linear_cross_entropy(h, w, t, forward="fused")
-    with pytest.raises(ValueError, match="block_v must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="block_v must be .*, got 0"):
         kernels.linear_cross_entropy(h, w, t, forward="online", block_v=0)
     with pytest.raises(ValueError, match="block_v must be a power of two >= 16 for forward='triton'.*got 48"):
         kernels.linear_cross_entropy(h, w, t, forward="triton", block_v=48)
@@ -266,17 +266,17 @@ def test_cross_entropy_bad_input():
 
 def test_the_forward_functions_check_their_input_before_any_work():
     h, w, t = ce_inputs(16, 16, 32)
-    with pytest.raises(ValueError, match="chunk must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="chunk must be .*, got 0"):
         kernels.chunked_lse_and_target(h, w, t, chunk=0)
     with pytest.raises(ValueError, match="targets must be an int64"):
         kernels.chunked_lse_and_target(h, w, t.float())
-    with pytest.raises(ValueError, match="block_m must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="block_m must be .*, got 0"):
         kernels.online_lse_and_target(h, w, t, block_m=0)
-    with pytest.raises(ValueError, match="block_v must be an int >= 1, got -4"):
+    with pytest.raises(ValueError, match="block_v must be .*, got -4"):
         kernels.online_lse_and_target(h, w, t, block_v=-4)
     with pytest.raises(ValueError, match="weight must be a \\(vocab, 16\\)"):
         kernels.online_lse_and_target(h, w.T, t)
-    with pytest.raises(ValueError, match="wave must be a positive int, got True"):
+    with pytest.raises(ValueError, match="wave must be .*, got True"):
         kernels.blocks_loaded(3, 3, 1, wave=True)
 
 

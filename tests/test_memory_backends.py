@@ -26,11 +26,12 @@ def test_the_base_class_alone_says_to_use_track():
             pass
 
 
-def test_names_other_modules_import_still_work():
-    from labkit.memory import _objects, _tensors, _without_profiler_notes, BACKENDS, CATEGORIES, track  # noqa: F401
+def test_the_walk_reads_a_one_shot_iterator_once():
+    from labkit.memory import BACKENDS, CATEGORIES
+    from labkit.memory.walk import objects, tensors
     model = torch.nn.Linear(2, 3)
-    assert len(list(_tensors(model))) == 2
-    assert _objects((model.parameters(),), "track")[0][0] is model.weight     # a one-shot iterator read once
+    assert len(list(tensors(model))) == 2
+    assert objects((model.parameters(),), "track")[0][0] is model.weight     # a one-shot iterator read once
     assert BACKENDS == ("dispatch", "profiler") and CATEGORIES[0] == "parameters"
 
 

@@ -68,7 +68,7 @@ def test_corpus_tokenizer_and_batches():
     assert hf.decode(hf("def f(x):\n    return x")["input_ids"]) == "def f(x):\n    return x"
 
 
-@pytest.mark.parametrize("kwargs, message", [(dict(batch=0, seq=8), "batch must be a positive int"),
+@pytest.mark.parametrize("kwargs, message", [(dict(batch=0, seq=8), "batch must be an int >= 1"),
                                              (dict(batch=1, seq=10**9), "seq must be shorter than"),
                                              (dict(batch=1, seq=8, split="test"), "split must be 'train' or 'val'")])
 def test_batches_bad_input(kwargs, message):

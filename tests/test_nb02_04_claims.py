@@ -10,9 +10,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import labkit as lk
-from labkit import offload
-from labkit.offload import (ActivationOffload, CountedHooks, CrossDeviceCopies, GradWeightCopies, HostAdam,
-                            SavedBytesByDevice, SeedSwapper, Swapper)
+from labkit import copies, offload
+from labkit.copies import CountedHooks, CrossDeviceCopies, GradWeightCopies, SavedBytesByDevice
+from labkit.offload import ActivationOffload, HostAdam, SeedSwapper, Swapper
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -172,16 +172,16 @@ def test_grad_weight_copies_and_numpy_bytes_see_host_adam_move_its_state():
     opt = HostAdam(layer.parameters(), lr=1e-3)
     tracemalloc.start()
     try:
-        with GradWeightCopies(layer) as copies:
+        with GradWeightCopies(layer) as moved:
             layer(torch.randn(4, 32)).sum().backward()
             opt.step()
-        held = offload.numpy_bytes()
+        held = copies.numpy_bytes()
     finally:
         tracemalloc.stop()
     weights = sum(p.nbytes for p in layer.parameters())
-    assert copies.from_grads == copies.into_weights == weights
+    assert moved.from_grads == moved.into_weights == weights
     assert held >= 3 * weights                     # master copy and two moments, numpy on the host
-    assert offload.numpy_bytes() == 0              # not tracing: nothing seen
+    assert copies.numpy_bytes() == 0              # not tracing: nothing seen
 
 
 def test_bf16_rounding_error_reaches_2_to_the_minus_8_not_minus_9():

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import labkit as lk
-import labkit.parallel as par
+from labkit import pipeline_parallel, tensor_parallel
 
 NB = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "09_tensor_and_pipeline_parallelism.ipynb"
 
@@ -44,7 +44,7 @@ def _run(ns, answer, check):
 
 
 def _ns3():
-    ns = dict(torch=torch, F=F, lk=lk, par=par)
+    ns = dict(torch=torch, F=F, lk=lk, tensor_parallel=tensor_parallel)
     exec(_cell("def all_reduce(stacked):"), ns)
     return ns
 
@@ -58,8 +58,8 @@ def _ns4():
         return " / ".join(f"{float(x):.1%}" for x in xs)
 
     p, ms = 2, (2, 4, 8)
-    rows = {("1F1B", m, s): {"events": [[k, c, 0.0, 0.0] for k, c in par.one_f_one_b(p, m)[s]]} for m in ms for s in range(p)}
-    return dict(torch=torch, lk=lk, par=par, replay=par.replay, Fraction=Fraction, bubbles=bubbles, pct=pct,
+    rows = {("1F1B", m, s): {"events": [[k, c, 0.0, 0.0] for k, c in pipeline_parallel.one_f_one_b(p, m)[s]]} for m in ms for s in range(p)}
+    return dict(torch=torch, lk=lk, pipeline_parallel=pipeline_parallel, replay=pipeline_parallel.replay, Fraction=Fraction, bubbles=bubbles, pct=pct,
                 p=p, pp={"microbatches": list(ms)}, rows=rows)
 
 
@@ -92,7 +92,7 @@ def test_exercise_3_fails_each_wrong_half_of_f_and_g(wrong, message):
 
 
 def test_exercise_3_refuses_labkits_own_f_and_g():
-    answer = "from labkit.parallel import CopyToParallel as Copy, ReduceFromParallel as Reduce\n"
+    answer = "from labkit.tensor_parallel import CopyToParallel as Copy, ReduceFromParallel as Reduce\n"
     with pytest.raises(AssertionError, match="your answer calls"):
         _run(_ns3(), answer, CHECK3)
 
@@ -113,8 +113,8 @@ def test_exercise_4_refuses_gpipes_order_a_long_warm_up_and_labkits_reference():
     torch_warm_up = _solution("09-ex4-solution").replace("warm = min(p - 1 - s, m)", "warm = min(p - s, m)")
     with pytest.raises(AssertionError, match="GPipe's order, not 1F1B's|is not the order 1F1B runs"):
         _run(_ns4(), torch_warm_up, CHECK4)
-    with pytest.raises(AssertionError, match="your answer calls labkit.parallel.one_f_one_b"):
-        _run(_ns4(), "def one_f_one_b_order(p, m, _ref=par.one_f_one_b):\n    return _ref(p, m)\n", CHECK4)
+    with pytest.raises(AssertionError, match="your answer calls labkit.pipeline_parallel.one_f_one_b"):
+        _run(_ns4(), "def one_f_one_b_order(p, m, _ref=pipeline_parallel.one_f_one_b):\n    return _ref(p, m)\n", CHECK4)
 
 
 def test_a_stub_is_not_attempted():

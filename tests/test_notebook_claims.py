@@ -211,7 +211,7 @@ def _nb1_refused(name, text, ns, answer, calls="labkit"):
 
 
 def test_notebook_00s_storage_check_refuses_labkits_own_counting():
-    """Exercise 1 (distinct storage bytes) answered with labkit.estimate's private storage counter, reached
+    """Exercise 1 (distinct storage bytes) answered with labkit.estimate's own storage counter, reached
     through sys.modules, or with lk.track held in a default argument: both refused; the answer key passes."""
     import torch
     import labkit as lk
@@ -219,7 +219,7 @@ def test_notebook_00s_storage_check_refuses_labkits_own_counting():
     base = dict(torch=torch, lk=lk)
     _nb1_check(nb, check, dict(base), _nb1_key(nb, "def storage_bytes("))
     private = ("def storage_bytes(tensors):\n    import sys\n"
-               "    return sys.modules['labkit.estimate']._storage_bytes(tensors)")
+               "    return sys.modules['labkit.estimate.step'].storage_bytes(tensors)")
     tracked = ("def storage_bytes(tensors, _track=lk.track):\n    with _track(tensors) as m:\n        pass\n"
                "    return m.live")
     for answer in (private, tracked):
@@ -568,7 +568,7 @@ def test_notebook_10s_exercise_checks_refuse_an_imported_library_function():
 
 def test_notebook_10s_exercise_3_wants_the_gathered_weight_gone_after_forward():
     """ZeRO-3's pack/unpack: the answer key passes; a pack that keeps the tensor (the graph then holds the
-    gathered weight until backward) fails, and so does one that calls labkit.zero's own `Zero._pack`."""
+    gathered weight until backward) fails, and so does one that calls labkit.zero's own `Zero3.pack`."""
     import torch
     import labkit as lk
     from labkit import zero
@@ -579,27 +579,26 @@ def test_notebook_10s_exercise_3_wants_the_gathered_weight_gone_after_forward():
     _nb3_check(nb, check, dict(base), _nb3_solution(nb, "def pack(t):"))
     with pytest.raises(AssertionError, match="still holds the gathered weight"):
         _nb3_check(nb, check, dict(base), "def pack(t):\n    return t\n\ndef unpack(saved):\n    return saved")
-    _nb3_refused(nb, check, dict(base), "def pack(t):\n    engine = zero.Zero.__new__(zero.Zero)\n"
-                                        "    engine._gathered = dict.fromkeys(gathered, 0)\n    return zero.Zero._pack(engine, t)\n"
+    _nb3_refused(nb, check, dict(base), "def pack(t):\n    engine = zero.Zero3.__new__(zero.Zero3)\n"
+                                        "    engine._gathered = dict.fromkeys(gathered, 0)\n    return zero.Zero3.pack(engine, t)\n"
                                         "def unpack(saved):\n    return saved")
 
 
 def test_notebook_09s_row_parallel_check_refuses_labkits_parallel_layers():
-    """Exercise 1 answered with labkit.parallel's own RowParallelLinear, imported inside the answer:
+    """Exercise 1 answered with labkit.tensor_parallel's own RowParallelLinear, imported inside the answer:
     refused by name; the answer key passes."""
     import torch
     import torch.nn.functional as F
     import labkit as lk
-    import labkit.parallel as par
+    from labkit import tensor_parallel
     nb = "09_tensor_and_pipeline_parallelism.ipynb"
     layer = lk.models.build("llama-2-7b", "tiny", num_hidden_layers=1).model.layers[0]
-    base = dict(torch=torch, F=F, lk=lk, par=par, layer=layer,
+    base = dict(torch=torch, F=F, lk=lk, tensor_parallel=tensor_parallel, layer=layer,
                 error=lambda a, b: ((a - b).norm() / b.norm()).item())
-    exec(_cell_defining(nb, "class InnerDims(TorchDispatchMode)"), base)
     check = 'with lk.exercise(1, "complete row_parallel() above"'
     _nb3_check(nb, check, dict(base), _nb3_solution(nb, "def row_parallel("))
     _nb3_refused(nb, check, dict(base), "def row_parallel(x, weight, bias, world):\n"
-                 "    from labkit.parallel import RowParallelLinear as Row\n"
+                 "    from labkit.tensor_parallel import RowParallelLinear as Row\n"
                  "    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)\n"
                  "    lin.weight = torch.nn.Parameter(weight)\n"
                  "    parts = [F.linear(xr, Row(lin, r, world).weight) for r, xr in enumerate(x.chunk(world, -1))]\n"

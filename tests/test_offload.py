@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import labkit as lk
-from labkit import offload
-from labkit.offload import ActivationOffload, CrossDeviceCopies, HostAdam, Swapper
+from labkit import copies, offload
+from labkit.copies import CrossDeviceCopies
+from labkit.offload import ActivationOffload, HostAdam, Swapper
 
 
 @pytest.fixture(scope="module")
@@ -217,11 +218,11 @@ def test_count_weight_reads_with_disk_offload(tmp_path):
         ref = model(input_ids=ids, use_cache=False).logits
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     offloaded = disk_offload(copy.deepcopy(model), tmp_path / "disk", execution_device="cpu")
-    with offload.count_weight_reads(offloaded) as reads, torch.no_grad():
+    with copies.count_weight_reads(offloaded) as reads, torch.no_grad():
         out = offloaded(input_ids=ids, use_cache=False).logits
     assert torch.equal(out, ref) and reads["bytes"] == weight_bytes
     with pytest.raises(ValueError, match="offload hooks"):
-        with offload.count_weight_reads(model):
+        with copies.count_weight_reads(model):
             pass
 
 

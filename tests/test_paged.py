@@ -17,7 +17,7 @@ def test_allocate_free_and_loud_errors():
         a.free(b0)
     with pytest.raises(ValueError, match=r"block must be an int in \[0, 2\), got 7"):
         a.free(7)
-    with pytest.raises(ValueError, match="num_blocks must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="num_blocks must be an int >= 1, got 0"):
         BlockAllocator(0)
 
 

@@ -31,7 +31,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="allocator must be a BlockAllocator, got int"):
         BlockTables(4)
     t = serving_tables(BlockAllocator(4, 4))
-    with pytest.raises(ValueError, match="tokens must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="tokens must be an int >= 0, got -1"):
         t.add("a", -1)
     with pytest.raises(TypeError, match="tokens must be a count or a sequence of token ids, got 'abc'"):
         t.add("a", "abc")

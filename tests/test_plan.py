@@ -21,7 +21,7 @@ from labkit.plan import (ALL_TARGETS, CUDA_CONTEXT, LAST_TIME, adam8bit_state_by
                          gpu_spec, host_bytes, int8_bits, kv_bytes, kv_capacity_tokens, lora_activation_bytes,
                          lora_params, nf4_bits, offload_bytes, offload_seconds, paged_kv_tokens, paged_optimizer,
                          parse_levers, plan, quantized_input_bytes, quantized_weight_bytes, rank_key, recipe_answer,
-                         recipes, shape_of, state_rounding, step_fragmentation, train_flops)
+                         recipes, state_rounding, step_fragmentation, train_flops)
 from labkit.plan.shapes import layer_params, param_shapes
 from labkit.units import GiB, MiB
 
@@ -279,8 +279,8 @@ def _per_layer_activations(targets, adapter_fp32, seq=128):
 def test_lora_activations_per_layer_are_peft_measured(targets, adapter_dtype):
     """A frozen base keeps less than full training (no weight gradient needs the linears' inputs), the
     adapters add their inputs (cast to fp32 by peft's default) and A's outputs."""
-    s = shape_of(lk.models.config("llama-3-8b", "tiny"))
-    full, _ = layer_terms(model_shape(s["config"]), 128, "bf16", device="cpu")
+    s = model_shape(lk.models.config("llama-3-8b", "tiny"))
+    full, _ = layer_terms(s, 128, "bf16", device="cpu")
     want = full - frozen_base_saving(s) + lora_activation_bytes(s, 8, targets, 2, adapter_dtype)
     measured = _per_layer_activations(targets, adapter_dtype == "fp32")
     assert abs(measured / want - 1) < 0.03, (measured, want)
@@ -320,7 +320,7 @@ def test_nf4_weights_are_bitsandbytes_bytes_and_keep_no_input():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         layer(x).sum().backward()
     assert x.grad is not None and not any(t.shape == x.shape for t in saved)        # the input is not kept
-    assert quantized_input_bytes(shape_of("llama-2-7b"), ("q", "v"), 2, "bf16") == 2 * (4096 + 4096 + 11008)
+    assert quantized_input_bytes(model_shape("llama-2-7b"), ("q", "v"), 2, "bf16") == 2 * (4096 + 4096 + 11008)
 
 
 def test_quantized_weights_keep_embeddings_and_head_in_16_bits():
@@ -335,10 +335,10 @@ def test_a_sharded_base_holds_its_shard_and_one_gathered_layer():
     """FSDP of a LoRA model: each GPU holds 1/dp of the frozen base and gathers a decoder layer (and the
     next one, prefetched) whole; the layer's parameters are the model's own."""
     model = lk.models.build("llama-2-7b", "tiny", device="meta")
-    s = shape_of(model.config)
+    s = model_shape(model.config)
     assert layer_params(s) == sum(p.numel() for p in model.model.layers[0].parameters())
     assert sorted(param_shapes(s)) == sorted(p.numel() for p in model.parameters())
-    s70 = shape_of("llama-2-70b")
+    s70 = model_shape("llama-2-70b")
     assert gathered_unit_bytes(s70, "bf16") == 2 * 2 * layer_params(s70)
     one = plan("data/configs/llama-3.1-70b", "lora", "A100 80GB", gpus=8, seq=2048, batch=16,
                levers=dict(rank=16, targets=("q", "v"), recompute=True, micro_batch=2))

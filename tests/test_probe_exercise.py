@@ -70,7 +70,7 @@ def test_exercise_numbers_may_be_numpy_integers_but_not_bools(capsys):
     with lk.exercise(np.int64(3), "t"):
         pass
     assert "Exercise 3: passed" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="number must be a positive int, got np.True_"):
+    with pytest.raises(ValueError, match="number must be an int >= 1, got np.True_"):
         with lk.exercise(np.bool_(True), "t"):
             pass
 

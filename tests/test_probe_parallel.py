@@ -1,11 +1,11 @@
-"""A hostile caller's probe of labkit.parallel.process_group_calls (one gloo rank).
+"""A hostile caller's probe of labkit.collectives.process_group_calls (one gloo rank).
 
 Nesting, an exception inside, collectives after exit, a keyword call and blocks closed out of order."""
 import pytest
 import torch
 import torch.distributed as dist
 
-from labkit.parallel import process_group_calls
+from labkit.collectives import process_group_calls
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
-"""parallel.process_group_calls counts what the process group is asked to send, whoever asks (one gloo rank)."""
+"""labkit.collectives.process_group_calls counts what the process group is asked to send, whoever asks (one gloo rank)."""
 import torch
 import torch.distributed as dist
 
-from labkit.parallel import process_group_calls
+from labkit.collectives import process_group_calls
 
 
 def test_each_collective_is_counted_in_the_process_group_itself():

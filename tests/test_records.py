@@ -8,7 +8,7 @@ import torch
 
 import labkit as lk
 from labkit import records
-from labkit.units import fmt_figure as _figure
+from labkit.units import fmt_figure
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def test_nan_and_inf_are_standard_json_and_the_index_shows_them(where):
     path = lk.record("99_test", loss_gap=float("nan"), time_s=float("inf"), peak_bytes=np.float64("-inf"))
     figures = _strict(path)["figures"]
     assert figures == {"loss_gap": "nan", "time_s": "inf", "peak_bytes": "-inf"}
-    assert [_figure(k, v) for k, v in figures.items()] == ["nan", "inf", "-inf"]    # the workbook index
+    assert [fmt_figure(k, v) for k, v in figures.items()] == ["nan", "inf", "-inf"]    # the workbook index
 
 
 def test_a_corrupted_record_is_set_aside_and_replaced(where, capsys):

@@ -21,14 +21,14 @@ def test_shards_cover_the_tensor_once_with_zero_padding(numel, world):
 
 
 def test_bad_input_names_the_argument():
-    with pytest.raises(ValueError, match="rank must be < world \\(2\\), got 2"):
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\), got 2"):
         zero.shard(torch.ones(4), 2, 2)
-    with pytest.raises(ValueError, match="world must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="world must be .*, got 0"):
         zero.shard_size(4, 0)
     with pytest.raises(TypeError, match="t must be a torch.Tensor, got list"):
         zero.shard([1, 2], 0, 1)
     with pytest.raises(ValueError, match="stage must be one of \\(0, 1, 2, 3\\), got 4"):
-        zero.Zero(torch.nn.Linear(2, 2), 4)
+        zero.engine(torch.nn.Linear(2, 2), 4)
 
 
 def test_comm_volume_counts_an_all_reduce_twice():
@@ -80,7 +80,8 @@ def mlp():
 @pytest.mark.parametrize("stage", zero.STAGES)
 def test_one_rank_steps_like_adamw(one_rank, stage):
     model, ref = mlp(), mlp()
-    engine = zero.Zero(model, stage, lr=1e-2, units=[model[0], model[2]])
+    engine = zero.engine(model, stage, [model[0], model[2]], lr=1e-2)
+    assert type(engine) is zero.STAGES[stage]
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
     for _ in range(3):
@@ -97,11 +98,11 @@ def test_one_rank_steps_like_adamw(one_rank, stage):
 def test_engine_errors_say_what_is_wrong(one_rank):
     model = mlp()
     with pytest.raises(ValueError, match="units must cover every parameter; not in any unit: \\['2.weight'"):
-        zero.Zero(model, 3, units=[model[0]])
+        zero.Zero3(model, units=[model[0]])
     with pytest.raises(ValueError, match="parameter weight of Linear is in two units"):
-        zero.Zero(model, 3, units=[model, model[0]])
+        zero.Zero3(model, units=[model, model[0]])
     with pytest.raises(RuntimeError, match="parameter 0.weight has no gradient: call backward\\(\\) before step\\(\\)"):
-        zero.Zero(mlp(), 1).step()
+        zero.Zero1(mlp()).step()
 
 
 @pytest.mark.parametrize("torch_names", ["2.13: *_single", "2.11: all_gather_into_tensor, reduce_scatter_tensor"])
@@ -115,7 +116,7 @@ def test_the_collectives_run_on_both_torch_versions_and_warn_on_neither(one_rank
         monkeypatch.delattr(dist, "all_gather_single", raising=False)
         monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
     model, ref = mlp(), mlp()
-    engine = zero.Zero(model, 3, lr=1e-2, units=[model[0], model[2]])
+    engine = zero.Zero3(model, units=[model[0], model[2]], lr=1e-2)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings():

@@ -29,8 +29,7 @@ One idea per module:
     r = replay(mem.trace, "expandable_segments:True")     # r.peak_reserved, r.reserved (over time)
     smallest_device(mem.trace, "")                        # bytes, by bisection
 """
-from ..units import MiB
-from .caching import Allocator, Block, Pool, _Pool
+from .caching import Allocator, Block, Pool
 from .config import (IGNORED_KEYS, K_INTERVALS, K_MIN_BLOCK, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_SMALL_BUFFER,
                      K_SMALL_SIZE, KNOWN_KEYS, SIZE_MAX, Config, allocation_size, parse_conf, round_size)
 from .trace_replay import Replay, growing_batch, phases, pinned_holes, replay, smallest_device
@@ -38,6 +37,7 @@ from .textbook import TEXTBOOK, Arena, BestFit, Buddy, FirstFit, TextbookAllocat
 from . import caching, config, textbook, trace_replay
 
 __all__ = ["Config", "parse_conf", "round_size", "allocation_size", "Allocator", "Block", "Pool", "Replay",
+           "K_INTERVALS", "K_MIN_BLOCK", "K_MIN_LARGE_ALLOC", "K_ROUND_LARGE", "K_SMALL_BUFFER", "K_SMALL_SIZE", "SIZE_MAX",
            "replay", "smallest_device", "KNOWN_KEYS", "IGNORED_KEYS",
            "growing_batch", "pinned_holes", "phases",
            "TextbookAllocator", "Arena", "FirstFit", "BestFit", "Buddy", "TEXTBOOK", "MODULES"]

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import bisect
 
-import numpy as np
 import torch
 
+from ..checks import count
 from ..units import MiB, fmt_bytes, parse_bytes
-from .config import (K_MIN_BLOCK, K_SMALL_BUFFER, K_SMALL_SIZE, SIZE_MAX, Config, allocation_size,
-                     parse_conf, round_size)
+from .config import K_MIN_BLOCK, K_SMALL_BUFFER, K_SMALL_SIZE, SIZE_MAX, allocation_size, parse_conf, round_size
 
 __all__ = ["Allocator", "Block", "Pool"]
 
@@ -64,9 +63,6 @@ class Pool:
         del self.unmapped[i]
 
 
-_Pool = Pool                               # the name before it was public
-
-
 class Allocator:
     """The caching allocator, one device and one stream. `malloc(nbytes)` -> Block, `free(block)`.
 
@@ -105,9 +101,7 @@ class Allocator:
     # ---- public -----------------------------------------------------------------------------
     def malloc(self, nbytes):
         """Allocate `nbytes`; returns the Block (None for 0 bytes) or raises torch.OutOfMemoryError."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
-            raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        nbytes = int(nbytes)
+        nbytes = count("nbytes", nbytes, 0)
         if nbytes == 0:
             return None                  # the real allocator returns a null pointer for 0 bytes
         size = round_size(nbytes, self.cfg)
@@ -188,8 +182,6 @@ class Allocator:
             return None              # nor a much larger one to a large request
         del blocks[i]
         return b
-
-    _get_free_block = find_free_block      # the name before it was public (and PyTorch's own)
 
     def _should_split(self, block, size):
         remaining = block.size - size

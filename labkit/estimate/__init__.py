@@ -12,32 +12,29 @@ One idea per module, each importing only those below it:
     fake.py       the estimate by measurement on FakeTensorMode (shapes, no data)
     step.py       the training / inference step both run under track()
     formulas.py   the formulas, one per category (no torch import)
+    params.py     the parameter counts of a shape: all, the matmul weights, the largest module (no torch)
     levers.py     the levers a training step's formula takes: fused step, chunked loss, eager attention,
                   activation offload (no torch)
     sharding.py   Parallel and one rank's share of dp x tp x pp devices, ZeRO and offload (no torch)
-    config.py     load_config and the sizes a config gives (model_shape)
-    checks.py     argument checks
-The derivation of the formulas is taught in notebooks/01_memory_anatomy.ipynb.
-
-Public functions report `labkit.estimate` as their module (as NumPy's `set_module` does), so tracebacks,
-pickles and `lk.exercise(forbid=[labkit.estimate])` name the path a user imports.
+    config.py     load_config and the one conversion of a config to the sizes the formulas read (model_shape)
+Public functions take a config (anything load_config takes); the formulas beneath them take its shape.
+Argument checks: labkit/checks.py. The derivation of the formulas is taught in notebooks/01_memory_anatomy.ipynb.
 """
 from __future__ import annotations
 
 from ..checks import count, flag
-from .config import FAMILIES, build_model, load_config, model_class, model_shape
+from .config import FAMILIES, load_config, model_shape
 from .fake import fake_estimate
 from .formulas import (CATS, DTYPES, OPTIMIZERS, Estimate, activation_bytes_per_token, device_type, dtype_bytes,
-                       head_terms, inference, korthikanti_bytes, kv_cache_bytes, kv_capacity, linear_params,
-                       model_states, param_count, training_step)
+                       inference, korthikanti_bytes, kv_cache_bytes, kv_capacity, model_states, training_step)
 from .levers import ATTENTION_KERNELS, ATTENTIONS, CHUNKED_CE
 from .measured import measured
+from .params import param_count
 from .sharding import OFFLOADS, ZERO_STAGES, Parallel, as_parallel, make_layout, per_rank
-from .step import storage_bytes
 
 __all__ = ["estimate", "Estimate", "Parallel", "param_count", "kv_cache_bytes", "kv_capacity", "korthikanti_bytes",
-           "model_states", "load_config", "measured", "activation_bytes_per_token", "full_step", "DTYPES", "OPTIMIZERS",
-           "FAMILIES", "ZERO_STAGES", "OFFLOADS", "CATS"]
+           "model_states", "load_config", "model_shape", "measured", "activation_bytes_per_token", "full_step",
+           "DTYPES", "OPTIMIZERS", "FAMILIES", "ZERO_STAGES", "OFFLOADS", "CATS"]
 
 
 def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training=True, recompute=False,
@@ -225,19 +222,3 @@ def _verify_levers(kw):
                 zero=kw.get("zero") or 0, offload=kw.get("offload"), micro_batch=kw.get("batch", 1),
                 grad_accum=2 if accumulate else 1)
 
-
-# Private names callers imported before the split (tests, labkit/scripts/gpu_smoke.py): kept as aliases.
-_shape, _build, _model_class, _storage_bytes = model_shape, build_model, model_class, storage_bytes
-_head_terms, _linear_params = head_terms, linear_params
-
-
-def _report_public_path():
-    """Public functions name `labkit.estimate` as their module (see the module docstring). Classes keep
-    theirs: inspect finds a class's source through its module's file."""
-    for name in __all__:
-        obj = globals()[name]
-        if callable(obj) and not isinstance(obj, type):
-            obj.__module__ = __name__
-
-
-_report_public_path()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import pathlib
 
+from ..checks import count
+
 __all__ = ["FAMILIES", "load_config", "model_shape", "model_class", "build_model", "is_masked_lm", "get",
            "check_lm_head"]
 
@@ -45,12 +47,15 @@ _SIZES = ("hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head", "
 
 
 def _check_sizes(size_of, model_type, where=""):
-    """Every size a config gives must be a positive int: a negative width would give negative parameters.
+    """Every size a config gives must be an int >= 1: a negative width would give negative parameters.
     size_of(name): the config's value for `name`, or None."""
     for name in _SIZES:
         value = size_of(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{where}config {name} must be a positive int, got {value!r} (model_type {model_type!r})")
+        if value is not None:
+            try:
+                count(f"{where}config {name}", value)
+            except ValueError as e:
+                raise ValueError(f"{e} (model_type {model_type!r})") from None
 
 
 def _read_config_json(path):
@@ -176,23 +181,29 @@ def model_class(config):
     return tf.AutoModel
 
 
-def build_model(config, device, dtype=None):
-    """The model for `config` with the head a step needs, on "meta" or on FakeTensorMode ("fake")."""
+def build_model(config, device, dtype=None, attention=None):
+    """The model for `config` with the head a step needs (`model_class`), its weights in `dtype` (default
+    fp32), on `device`: "fake" (FakeTensorMode, the mode kept as model.fake_mode), "meta", or a real device
+    ("cpu", "cuda": random weights). attention: the attn_implementation to build it with (default: the
+    config's; transformers writes it into the config it is given, so a copy gets it)."""
+    import copy
     import torch
     cls = model_class(config)
-    dtype = dtype or torch.float32
+    kw = {}
+    if attention is not None:
+        config, kw = copy.deepcopy(config), {"attn_implementation": attention}
     old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    torch.set_default_dtype(dtype or torch.float32)
     try:
-        if device == "meta":
-            with torch.device("meta"):
-                return cls.from_config(config)
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
-            model = cls.from_config(config)
-        model.fake_mode = mode
-        return model
+        if device == "fake":
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            with mode:
+                model = cls.from_config(config, **kw)
+            model.fake_mode = mode
+            return model
+        with torch.device(device):
+            return cls.from_config(config, **kw)
     finally:
         torch.set_default_dtype(old)
 

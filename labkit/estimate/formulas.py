@@ -20,15 +20,16 @@ from dataclasses import dataclass, field
 
 from ..units import fmt_bytes, parse_bytes
 from ..checks import count
-from .config import build_model, get, load_config, model_shape
-from .levers import (ATTENTIONS, CE_CHUNK, OUTPUT_CHUNKS, eager_score_bytes, fused_step_moments,  # noqa: F401
-                     layer_backward_bytes, loss_terms, offloaded_activations)                  # (CE_CHUNK: verify)
+from .config import get, model_shape
+from .levers import (ATTENTIONS, eager_score_bytes, fused_step_moments, layer_backward_bytes, loss_terms,
+                     offloaded_activations)
+from .params import largest_layer, linear_params, n_params, param_count
 from .sharding import as_parallel, gathered, make_layout, move_to_host, parallel_note, shard
 
-__all__ = ["DTYPES", "OPTIMIZERS", "CATS", "Estimate", "param_count", "linear_params", "kv_cache_bytes", "kv_capacity",
+__all__ = ["DTYPES", "OPTIMIZERS", "CATS", "Estimate", "kv_cache_bytes", "cache_bytes", "kv_capacity",
            "korthikanti_bytes", "dtype_bytes", "device_type", "layer_terms", "head_terms", "loss_bytes",
            "mask_bytes", "activation_bytes_per_token", "states", "model_states", "training_step", "total_bytes",
-           "peak_moment", "largest_layer", "inference"]
+           "peak_moment", "inference"]
 
 # dtype -> (bytes per weight/gradient element, bytes per 16/32-bit activation element)
 DTYPES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "mixed": (2, 2), "amp-bf16": (4, 2), "amp-fp16": (4, 2)}
@@ -74,59 +75,6 @@ class Estimate:
         return "\n".join(lines + self.notes)
 
 
-def param_count(config):
-    """Number of parameters of the architecture in `config`, counted from its shapes.
-
-    Untied output layers and biases included. For a config without a formula: counted on the meta device.
-    """
-    shape = model_shape(config)
-    h, i, L, V, a, d = shape["h"], shape["i"], shape["L"], shape["V"], shape["a"], shape["d"]
-    fam = shape["family"]
-    if fam is None:
-        model = build_model(shape["config"], "meta")
-        return sum(p.numel() for p in model.parameters())
-    untied = 0 if shape["tied"] else V * h
-    if fam in ("llama", "gemma"):
-        q, kv = a * d, shape["kv"] * d
-        layer = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h
-        layer += (q + 2 * kv) * shape["qkv_bias"] + h * shape["o_bias"] + (2 * i + h) * shape["mlp_bias"]
-        return V * h + L * layer + h + untied
-    if fam == "phi":
-        q, kv = a * d, shape["kv"] * d
-        layer = 2 * h + (h * q + q) + 2 * (h * kv + kv) + (q * h + h) + (h * i + i) + (i * h + h)
-        return V * h + L * layer + 2 * h + (untied + V if not shape["tied"] else 0)
-    if fam == "gpt2":
-        layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
-        return V * h + shape["P"] * h + L * layer + 2 * h + untied
-    if fam == "opt":
-        c = shape["config"]
-        bias, affine = bool(c.enable_bias), bool(c.layer_norm_elementwise_affine)
-        layer = 4 * (h * h + h * bias) + (h * i + i * bias) + (i * h + h * bias) + 4 * h * affine
-        wpe = shape["wpe"]
-        proj = 2 * h * wpe if wpe != h else 0
-        final = 2 * h * affine if not c._remove_final_layer_norm else 0
-        return V * wpe + (shape["P"] + 2) * h + L * layer + final + proj + (0 if shape["tied"] else V * wpe)
-    # BERT with the masked-LM head (BertForMaskedLM: no pooler; decoder tied, its bias V)
-    layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
-    return (V + shape["P"] + shape["types"]) * h + 2 * h + L * layer + (h * h + h) + 2 * h + V + (untied and untied + V)
-
-
-def linear_params(shape):
-    """Parameters of the matmul weights (what autocast casts and caches): all but norms, biases, embeddings
-    (the output layer's weight counts: it is a matmul, tied or not)."""
-    h, i, L, V, a, d = shape["h"], shape["i"], shape["L"], shape["V"], shape["a"], shape["d"]
-    fam = shape["family"]
-    if fam in ("llama", "gemma", "phi"):
-        q, kv = a * d, shape["kv"] * d
-        mlp = 3 * h * i if fam != "phi" else 2 * h * i
-        return L * (2 * h * q + 2 * h * kv + mlp) + V * h
-    if fam == "gpt2":
-        return L * (4 * h * h + 2 * h * i) + V * h
-    if fam == "opt":
-        return L * (4 * h * h + 2 * h * i) + V * shape["wpe"] + (2 * h * shape["wpe"] if shape["wpe"] != h else 0)
-    return L * (4 * h * h + 2 * h * i) + h * h + V * h      # BERT: the MLM head's dense and decoder
-
-
 def kv_cache_bytes(config, batch, tokens, dtype="bf16", prefill=None, source_tokens=None):
     """KV cache: 2 (K and V) * layers * kv_heads * head_dim * bytes * batch * tokens.
 
@@ -136,13 +84,19 @@ def kv_cache_bytes(config, batch, tokens, dtype="bf16", prefill=None, source_tok
     `source_tokens` encoder tokens (default: as many).
     """
     batch, tokens = count("batch", batch, 1), count("tokens", tokens, 0)
-    shape, e = model_shape(config), dtype_bytes(dtype, activations=True)
+    if source_tokens is not None:
+        source_tokens = count("source_tokens", source_tokens, 0)
+    return cache_bytes(model_shape(config), batch, tokens, dtype, prefill, source_tokens)
+
+
+def cache_bytes(shape, batch, tokens, dtype="bf16", prefill=None, source_tokens=None):
+    """kv_cache_bytes of a `shape` (config.model_shape)."""
+    e = dtype_bytes(dtype, activations=True)
     if shape["encoder"]:
         return 0
-    c = shape["config"]
     if shape["enc_dec"]:
-        L = get(c, "num_decoder_layers", "decoder_layers", "num_layers")
-        source = tokens if source_tokens is None else count("source_tokens", source_tokens, 0)
+        L = get(shape["config"], "num_decoder_layers", "decoder_layers", "num_layers")
+        source = tokens if source_tokens is None else source_tokens
         return 2 * L * shape["a"] * shape["d"] * e * batch * (tokens + source)
     per_token = 2 * shape["kv"] * shape["d"] * e * batch
     full = shape["L"] - shape["sliding_layers"]
@@ -163,10 +117,11 @@ def kv_capacity(config, memory, dtype="fp16", weights=None, activations=0, utili
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
     memory = int(memory * utilization)
-    w = param_count(config) * dtype_bytes(dtype) if weights is None else weights
-    per_token = kv_cache_bytes(config, 1, 1, dtype)
+    shape = model_shape(config)
+    w = n_params(shape) * dtype_bytes(dtype) if weights is None else weights
+    per_token = cache_bytes(shape, 1, 1, dtype)
     if per_token == 0:
-        raise ValueError(f"config of model_type {load_config(config).model_type!r} has no KV cache")
+        raise ValueError(f"config of model_type {shape['model_type']!r} has no KV cache")
     free = memory - w - activations
     if free <= 0:
         raise ValueError(f"memory {fmt_bytes(memory)} does not hold the weights ({fmt_bytes(w)}) "
@@ -348,9 +303,7 @@ def training_step(shape, batch, seq, dtype, optimizer, recompute, foreach, grad_
     weight gradient."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-    if "n_params" not in shape:            # a search calls this thousands of times with one shape
-        shape["n_params"] = param_count(shape["config"])
-    P, w, e = shape["n_params"], dtype_bytes(dtype), dtype_bytes(dtype, activations=True)
+    P, w, e = n_params(shape), dtype_bytes(dtype), dtype_bytes(dtype, activations=True)
     amp, tokens, L = dtype.startswith("amp"), batch * seq, shape["L"]
     parts = dict.fromkeys(CATS, 0)
     zero = (layout or {}).get("zero", 0)
@@ -437,34 +390,14 @@ def training_step(shape, batch, seq, dtype, optimizer, recompute, foreach, grad_
                     moments=moments)
 
 
-def largest_layer(shape):
-    """Parameters of the largest single module (its own, not its children's), as DeepSpeed's model_to_params
-    counts them: usually the embedding or the LM head (vocab x hidden), else an MLP projection."""
-    h, i, V, a, d, fam = shape["h"], shape["i"], shape["V"], shape["a"], shape["d"], shape["family"]
-    if fam is None:
-        model = build_model(shape["config"], "meta")
-        return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    q, kv = a * d, shape["kv"] * d
-    if fam in ("llama", "gemma"):
-        return max(V * h, h * i + i * shape["mlp_bias"], h * q + q * shape["qkv_bias"], q * h + h * shape["o_bias"],
-                   h * kv + kv * shape["qkv_bias"])
-    if fam == "phi":
-        return max(V * h + V * (not shape["tied"]), h * i + i, h * q + q)
-    if fam == "gpt2":
-        return max(V * h, shape["P"] * h, 3 * h * h + 3 * h, h * i + i)
-    if fam == "opt":
-        return max(V * shape["wpe"], (shape["P"] + 2) * h, h * i + i)
-    return max(V * h + V, shape["P"] * h, h * i + i)             # BERT: the MLM decoder holds its bias
-
-
 def inference(shape, batch, seq, dtype, kv_tokens, logits_to_keep):
     """The Estimate of inference by formula: weights + KV cache + the largest transient (prefill, logits
     or a decoding step)."""
-    P, w, e = param_count(shape["config"]), dtype_bytes(dtype), dtype_bytes(dtype, activations=True)
+    P, w, e = n_params(shape), dtype_bytes(dtype), dtype_bytes(dtype, activations=True)
     tokens, h, V = batch * seq, shape["h"], shape["V"]
     parts = dict.fromkeys(CATS, 0)
     parts["parameters"] = P * w
-    parts["kv_cache"] = kv_cache_bytes(shape["config"], batch, kv_tokens, dtype, prefill=seq)
+    parts["kv_cache"] = cache_bytes(shape, batch, kv_tokens, dtype, prefill=seq)
     # The largest no-grad transient, per token, measured op by op (track) at tiny size: gelu_new (GPT-2) is a
     # chain of elementwise ops with up to five i-wide tensors live; Phi's parallel block keeps four beside
     # attention's output; OPT's ReLU one; SwiGLU/GeGLU three beside the stream, q and k/v.
@@ -477,7 +410,7 @@ def inference(shape, batch, seq, dtype, kv_tokens, logits_to_keep):
     kept = seq if logits_to_keep == 0 or logits_to_keep > seq else logits_to_keep
     # the logits of the kept positions; generate copies the last one to fp32
     head = batch * kept * V * e + (batch * V * 4 if logits_to_keep else 0) + tokens * e * h * (2 if shape["encoder"] else 1)
-    kv_prefill = kv_cache_bytes(shape["config"], batch, seq if not shape["encoder"] and kv_tokens else 0, dtype, prefill=seq)
+    kv_prefill = cache_bytes(shape, batch, seq if not shape["encoder"] and kv_tokens else 0, dtype, prefill=seq)
     moments = {"prefill": dict(parts, kv_cache=kv_prefill, activations=prefill),
                "logits": dict(parts, kv_cache=kv_prefill, activations=head)}
     if kv_tokens > seq:

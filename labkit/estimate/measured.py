@@ -2,7 +2,7 @@
 config with random weights (tests/test_estimate_families.py, benchmarks/estimate_table.py)."""
 from __future__ import annotations
 
-from .config import check_lm_head, is_masked_lm, load_config, model_class
+from .config import build_model, check_lm_head, is_masked_lm, load_config
 from .step import measure_inference, measure_step, quiet
 
 __all__ = ["measured"]
@@ -23,13 +23,7 @@ def measured(config, batch=2, seq=64, dtype="fp32", optimizer="adamw", training=
     check_lm_head(config)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     torch.manual_seed(seed)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch_dtype)
-    try:
-        with torch.device(device):
-            model = model_class(config).from_config(config)
-    finally:
-        torch.set_default_dtype(old)
+    model = build_model(config, device, torch_dtype)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, config.vocab_size, (batch, seq), generator=gen).to(device)
     if training:

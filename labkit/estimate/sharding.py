@@ -13,8 +13,8 @@ from fractions import Fraction
 
 from ..checks import count
 
-__all__ = ["Parallel", "ZERO_STAGES", "OFFLOADS", "as_parallel", "make_layout", "check_layout", "divisors", "shard", "per_rank",
-           "gathered", "move_to_host", "parallel_note"]
+__all__ = ["Parallel", "ZERO_STAGES", "OFFLOADS", "as_parallel", "make_layout", "check_layout", "layout_problem",
+           "divisors", "shard", "per_rank", "gathered", "move_to_host", "parallel_note"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = (None, "optimizer", "parameters")
@@ -79,22 +79,32 @@ def make_layout(parallel, shape=None):
     return out
 
 
-def check_layout(shape, layout):
-    """Refuse a tp x pp layout that cannot exist for this model; note the KV heads each tp rank holds.
+def layout_problem(shape, tp, pp):
+    """Why a tp x pp layout cannot exist for this model (`shape`: config.model_shape), or "" if it can.
 
     Every tp rank holds whole attention heads, so tp must divide num_attention_heads. With tp at most
     the KV heads, tp must divide them too (each rank holds kv/tp); with tp above them, each rank holds
     one KV head, replicated tp/kv times, so kv must divide tp (Megatron-LM's and vLLM's rule:
     vllm/model_executor/layers/linear.py QKVParallelLinear). pp stages hold whole layers: pp <= layers.
     """
-    tp, pp, a, kv, L = layout["tp"], layout["pp"], shape["a"], shape["kv"], shape["L"]
+    a, kv, L = shape["a"], shape["kv"], shape["L"]
     if tp > 1 and a and a % tp:
-        raise ValueError(f"tp={tp} must divide num_attention_heads {a} (each rank holds whole heads)")
+        return f"tp={tp} must divide num_attention_heads {a} (each rank holds whole heads)"
     if tp > 1 and kv and (kv % tp if tp <= kv else tp % kv):
-        raise ValueError(f"tp={tp} and num_key_value_heads {kv}: one must divide the other (each rank holds "
-                         f"{'kv/tp' if tp <= kv else 'one'} KV head{'s' if tp <= kv else ', replicated'})")
+        return (f"tp={tp} and num_key_value_heads {kv}: one must divide the other (each rank holds "
+                f"{'kv/tp' if tp <= kv else 'one'} KV head{'s' if tp <= kv else ', replicated'})")
     if pp > 1 and L and pp > L:
-        raise ValueError(f"pp={pp} is more pipeline stages than num_hidden_layers {L} (a stage holds whole layers)")
+        return f"pp={pp} is more pipeline stages than num_hidden_layers {L} (a stage holds whole layers)"
+    return ""
+
+
+def check_layout(shape, layout):
+    """Refuse a tp x pp layout that cannot exist for this model (`layout_problem`); note the KV heads each
+    tp rank holds."""
+    problem = layout_problem(shape, layout["tp"], layout["pp"])
+    if problem:
+        raise ValueError(problem)
+    kv, tp = shape["kv"], layout["tp"]
     if kv:
         layout["kv_heads"], layout["kv_heads_per_rank"] = kv, max(1, kv // tp)
 

@@ -1,12 +1,13 @@
-"""The step that fake.py (on FakeTensorMode) and measured.py (on real tensors) both run under `track()`:
-two training steps (the first builds the optimizer state), or a prefill and greedy decoding steps."""
+"""The step that fake.py (on FakeTensorMode), measured.py (on real tensors) and `make gpu-smoke` (on a GPU)
+run under `track()`: a plain training loop's step (`plain_step`), twice (the first builds the optimizer
+state), or a prefill and greedy decoding steps."""
 from __future__ import annotations
 
 import contextlib
 
 from .config import is_masked_lm
 
-__all__ = ["quiet", "make_optimizer", "measure_step", "measure_inference", "storage_bytes"]
+__all__ = ["quiet", "make_optimizer", "plain_step", "measure_step", "measure_inference", "storage_bytes"]
 
 
 @contextlib.contextmanager
@@ -50,6 +51,40 @@ def measure_step(model, config, batch, seq, dtype, optimizer, training, recomput
                                      foreach, logits_to_keep, ids)
 
 
+def plain_step(model, config, ids, dtype, optimizer, recompute=False, foreach=False):
+    """(step, objs): `step()` is one step of a plain training loop for `model` on the token ids `ids`
+    (forward under autocast for dtype "amp-*", loss.backward(), optimizer.step(), zero_grad); objs are the
+    model and its optimizer (`optimizer` names one of formulas.OPTIMIZERS), what track() is given.
+    recompute: activation checkpointing of every layer (transformers' own, non-reentrant)."""
+    import torch
+    enc_dec = bool(getattr(config, "is_encoder_decoder", False))
+    model.train()
+    if recompute:        # transformers 5.24 renamed it (the old name warns); 5.17 has the old one only
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
+    opt = make_optimizer(optimizer, model.parameters(), foreach)
+    amp = torch.autocast(ids.device.type, dtype={"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}[dtype]) \
+        if dtype.startswith("amp") else contextlib.nullcontext()
+
+    def step():
+        with amp:
+            # a plain loop's call: use_cache left at the config's default, as a learner leaves it (a
+            # training forward fills a cache too; tests/test_estimate_families.py shows what it changes)
+            kw = dict(labels=ids)
+            if enc_dec:             # the decoder reads the labels, shifted right by the model itself
+                kw["decoder_input_ids"] = ids
+            loss = model(input_ids=ids, **kw).loss
+        loss.backward()
+        del loss
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+
+    return step, ((model, opt) if opt is not None else (model,))
+
+
 def _measure_step_quietly(model, config, batch, seq, dtype, optimizer, training, recompute, kv_tokens, foreach,
                           logits_to_keep, ids=None):
     import torch
@@ -58,30 +93,7 @@ def _measure_step_quietly(model, config, batch, seq, dtype, optimizer, training,
     with getattr(model, "fake_mode", contextlib.nullcontext()):
         ids = torch.zeros(batch, seq, dtype=torch.long) if ids is None else ids
         if training:
-            model.train()
-            if recompute:
-                model.gradient_checkpointing_enable({"use_reentrant": False})
-            opt = make_optimizer(optimizer, model.parameters(), foreach)
-            amp = torch.autocast(ids.device.type, dtype={"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}[dtype]) \
-                if dtype.startswith("amp") else contextlib.nullcontext()
-
-            def step():
-                with amp:
-                    # a plain loop's call: use_cache left at the config's default, as a learner leaves it (a
-                    # training forward fills a cache too; tests/test_estimate_families.py shows what it changes)
-                    kw = dict(labels=ids)
-                    if enc_dec:             # the decoder reads the labels, shifted right by the model itself
-                        kw["decoder_input_ids"] = ids
-                    loss = model(input_ids=ids, **kw).loss
-                loss.backward()
-                del loss
-                if opt is not None:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                else:
-                    model.zero_grad(set_to_none=True)
-
-            objs = (model, opt) if opt is not None else (model,)
+            step, objs = plain_step(model, config, ids, dtype, optimizer, recompute, foreach)
             with track(*objs) as first:
                 step()
             with track(*objs) as mem:
@@ -143,9 +155,9 @@ def measure_inference(model, ids, kv_tokens, logits_to_keep, enc_dec, masked, ma
 
 def storage_bytes(obj):
     """Bytes of the storages behind the tensors in `obj` (a cache, a list, a tensor), each counted once."""
-    from ..memory import _tensors
+    from ..memory.walk import tensors
     seen = {}
-    for t in _tensors(obj):
+    for t in tensors(obj):
         st = t.untyped_storage()
         seen[id(st)] = st.nbytes()
     return sum(seen.values())

@@ -25,9 +25,8 @@ dispatch mode that does nothing). The timeline is built once, when first read, a
 from __future__ import annotations
 
 from .dispatch import DispatchTracker
-from .profiler import ProfilerTracker, without_profiler_notes
+from .profiler import ProfilerTracker
 from .report import CATEGORIES, Tracker
-from .walk import objects, saved_for_backward, tensors
 
 __all__ = ["CATEGORIES", "BACKENDS", "track", "Tracker", "DispatchTracker", "ProfilerTracker"]
 
@@ -63,7 +62,3 @@ def track(*objs, budget=None, device=None, snapshot=None, backend="dispatch"):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return TRACKERS[backend](*objs, budget=budget, device=device, snapshot=snapshot)
 
-
-# The names other labkit modules imported before memory became a package (guard, estimate, profiling).
-_objects, _tensors, _saved_for_backward = objects, tensors, saved_for_backward
-_without_profiler_notes = without_profiler_notes

@@ -21,10 +21,11 @@ import sys
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..units import fmt_bytes
-from .report import ACTIVATIONS, CATEGORY_INDEX, GRADIENTS, STRIDED, Tracker
+from .report import ACTIVATIONS, CATEGORY_INDEX, GRADIENTS, PARAMETERS, STRIDED, Tracker, held
 
 __all__ = ["DispatchTracker"]
 
@@ -110,16 +111,19 @@ class DispatchTracker(Tracker, TorchDispatchMode):
                     f"budget {fmt_bytes(self.budget)} exceeded: live {fmt_bytes(self.live)} after allocating "
                     f"{fmt_bytes(delta)} ({tuple(t.shape) if t is not None else ''} {getattr(t, 'dtype', '')})")
 
-    def storage_resized(self, st):
-        """`UntypedStorage.resize_` inside the block (FSDP frees and refills parameters that way): a storage
-        this tracker counts shrinks or grows in its books. One it never saw stays unseen."""
+    def storage_resized(self, st, before):
+        """`UntypedStorage.resize_` inside the block, from `before` bytes: a storage this tracker counts shrinks
+        or grows in its books. One it never saw is counted from the moment it grows from empty, as a parameter:
+        FSDP frees a gathered parameter's storage with resize_(0) and refills it with resize_ (FSDP2's
+        alloc_storage / free_storage). Another storage it never saw stays unseen."""
         if self._closed or self.device is not None and st.device.type != self.device:
             return
         entry = self._live.get(id(st))
-        if entry is not None and st.nbytes() != entry.nbytes:
+        if entry is None:
+            if before == 0 and st.nbytes() > 0:
+                self._new(st, id(st), PARAMETERS, None)
+        elif st.nbytes() != entry.nbytes:
             self._resized(entry, st, None)
-
-    _storage_resized = storage_resized      # the name it had before
 
     def _free(self, entry):
         """An Entry's callback: its storage died (after the block: nothing to book, the timeline ended)."""
@@ -206,20 +210,23 @@ class DispatchTracker(Tracker, TorchDispatchMode):
     def _output(self, t, fresh, args, kwargs):
         if t.layout != STRIDED or self.device is not None and t.device.type != self.device:
             return
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+        if not self.counts_fake and isinstance(t, FakeTensor):     # another measurement's shapes: no memory here
             return
-        key = id(st)
-        entry = self._live.get(key)
-        if entry is None:
-            # An output that shares an input's storage (a view, an in-place op) allocated nothing,
-            # even if that storage was born before tracking began and is seen here for the first time.
-            # Ops whose schema returns fresh tensors skip the look at the inputs (most of them).
-            if fresh or key not in input_storages(args, kwargs):
-                self._new(st, key, self._phase[-1], t)
-        elif st.nbytes() != entry.nbytes:
-            self._resized(entry, st, t)
+        for u in held(t):                            # a DTensor: its local shard
+            try:
+                st = u.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            key = id(st)
+            entry = self._live.get(key)
+            if entry is None:
+                # An output that shares an input's storage (a view, an in-place op) allocated nothing,
+                # even if that storage was born before tracking began and is seen here for the first time.
+                # Ops whose schema returns fresh tensors skip the look at the inputs (most of them).
+                if fresh or key not in input_storages(args, kwargs):
+                    self._new(st, key, self._phase[-1], u)
+            elif st.nbytes() != entry.nbytes:
+                self._resized(entry, st, u)
 
     # ---- the block ------------------------------------------------------------------------
     def _start_counting(self):
@@ -266,9 +273,10 @@ LISTENER = []                # the one CompiledCodeSeen filter while any dispatc
 def resize_counted(storage, size):
     """torch.UntypedStorage.resize_ while a dispatch tracker runs: a storage resize is no dispatched op on
     a tensor, so no TorchDispatchMode sees it; each active tracker is told after the resize."""
+    before = storage.nbytes()
     out = RESIZE(storage, size)
     for tracker in list(RESIZING):
-        tracker.storage_resized(storage)
+        tracker.storage_resized(storage, before)
     return out
 
 
@@ -314,22 +322,22 @@ def op_kind(func):
 
 
 def input_storages(args, kwargs):
-    """ids of the storages of an op's tensor arguments (tensors and lists of tensors, as in aten)."""
+    """ids of the storages of an op's tensor arguments (tensors and lists of tensors, as in aten; a wrapper
+    subclass by the tensors it wraps)."""
     ids = set()
     for group in (args, kwargs.values() if kwargs else ()):
         for a in group:
-            if isinstance(a, torch.Tensor):
-                ids.add(storage_id(a))
-            elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if isinstance(b, torch.Tensor):
-                        ids.add(storage_id(b))
+            for b in (a if isinstance(a, (list, tuple)) else (a,)):
+                if type(b) is TENSOR or type(b) is PARAMETER:
+                    ids.add(storage_id(b))
+                elif isinstance(b, torch.Tensor):
+                    ids.update(storage_id(u) for u in held(b))
     return ids
 
 
 def storage_id(t):
     """id of a strided tensor's storage object (the same object while the storage lives), else None."""
-    if not isinstance(t, torch.Tensor) or t.layout != STRIDED:
+    if t.layout != STRIDED:
         return None
     try:
         return id(t.untyped_storage())

@@ -21,6 +21,8 @@ import warnings
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..units import fmt_bytes, parse_bytes
 from .walk import objects, saved_for_backward, tensors
@@ -30,11 +32,27 @@ __all__ = ["CATEGORIES", "Tracker"]
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "kv_cache", "other")
 CATEGORY_INDEX = {c: i for i, c in enumerate(CATEGORIES)}
 OTHER, ACTIVATIONS, GRADIENTS = CATEGORY_INDEX["other"], CATEGORY_INDEX["activations"], CATEGORY_INDEX["gradients"]
+PARAMETERS = CATEGORY_INDEX["parameters"]
 STRIDED = torch.strided
 DEVICE_TYPES = (None, "cpu", "cuda", "meta", "mps", "xpu")
 
 ACTIVE = []                  # trackers inside their block, innermost last (both backends)
 AUTOGRAD = {}                # torch.autograd.backward and .grad as they were, while wrapped (ACTIVE not empty)
+
+
+def held(t):
+    """The tensors whose storages hold `t`'s data: `t` itself, or for a wrapper subclass (a DTensor, FSDP2's
+    sharded parameters) the tensors it wraps (`__tensor_flatten__`): a DTensor holds its local shard, and its
+    wrapper's own storage, sized as the global tensor, is no memory of this process."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or not is_traceable_wrapper_subclass(t):
+        return (t,)
+    inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])    # DTensor: _local_tensor, device_mesh
+    return tuple(u for v in inner if isinstance(v, torch.Tensor) for u in held(v))
+
+
+def fake_mode_active():
+    """Whether a FakeTensorMode is on in this thread (a tracker entered inside one counts fake tensors)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 class Tracker:
@@ -73,21 +91,26 @@ class Tracker:
         self._warnings = None
         self._closed = False
         self._entered = False
+        self.counts_fake = True   # set on entry: whether fake tensors are this block's memory
         self.live = self.peak = 0
         self.cuda = None
 
     # ---- the books ------------------------------------------------------------------------
     def _see(self, t, category=None):
-        """Count the storage of tensor `t` (if this tracker counts its device), labelled `category`."""
+        """Count the storage of tensor `t` (if this tracker counts its device), labelled `category`; a wrapper
+        subclass by the tensors it wraps (`held`); a fake tensor only where fake tensors are this block's."""
         if not isinstance(t, torch.Tensor) or t.layout != STRIDED:
             return
         if self.device is not None and t.device.type != self.device:
             return
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):   # tensors without storage (some subclasses)
+        if not self.counts_fake and isinstance(t, FakeTensor):
             return
-        self._see_storage(st, t, category)
+        for u in held(t):
+            try:
+                st = u.untyped_storage()
+            except (RuntimeError, NotImplementedError):   # tensors without storage (some subclasses)
+                continue
+            self._see_storage(st, u, category)
 
     def _see_storage(self, st, t, category):
         raise NotImplementedError("a backend says how it sees a storage: use track(), not Tracker()")
@@ -219,6 +242,7 @@ class Tracker:
         if self._entered:
             raise RuntimeError("a track() report can be entered once; start a new lk.track(...) for another block")
         self._entered = True
+        self.counts_fake = fake_mode_active()
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -314,8 +338,6 @@ class Tracker:
     def events(self):
         """The allocation trace: [(storage serial, +bytes allocated or -bytes freed)], in order."""
         return list(zip(self._serials, self._deltas))
-
-    _events = events          # the name it had before
 
     @property
     def trace(self):

@@ -5,9 +5,7 @@ off the free list with one owner; `share` adds an owner (a forked sequence); `fr
 the block back when none is left. Freeing a block nobody owns is a scheduler bug, so it fails loudly
 (`Double free of block 7`), as does asking an empty pool for a block (`OutOfBlocks`).
 """
-import numbers
-
-from ..checks import count
+from ..checks import count, index
 
 __all__ = ["BlockAllocator", "OutOfBlocks"]
 
@@ -47,8 +45,7 @@ class BlockAllocator:
 
     def check(self, block, action="free"):
         """`block` as an int, if it is a block of this pool that someone owns (`action` names the caller)."""
-        if isinstance(block, bool) or not isinstance(block, numbers.Integral) or not 0 <= block < self.num_blocks:
-            raise ValueError(f"block must be an int in [0, {self.num_blocks}), got {block!r}")
+        block = index("block", block, self.num_blocks)
         if self.ref_count[block] == 0:
             if action == "free":
                 raise ValueError(f"Double free of block {block}: it is not allocated")

@@ -12,6 +12,7 @@ Token t of `seq` lives at slot `tables[seq][t // block_size] * block_size + t % 
 import numbers
 import operator
 
+from ..checks import count
 from .allocator import BlockAllocator, OutOfBlocks
 
 __all__ = ["BlockTables", "as_token_ids", "blocks_for"]
@@ -122,9 +123,7 @@ class BlockTables:
     def count_tokens(self, tokens, name="tokens"):
         """(count, token ids), the ids None when `tokens` is a count."""
         if isinstance(tokens, numbers.Integral) and not isinstance(tokens, bool):
-            if tokens < 0:
-                raise ValueError(f"{name} must be >= 0, got {tokens!r}")
-            return int(tokens), None
+            return count(name, tokens, 0), None
         if isinstance(tokens, (str, bytes, bool)) or not hasattr(tokens, "__len__"):
             raise TypeError(f"{name} must be a count or a sequence of token ids, got {tokens!r}")
         ids = as_token_ids(tokens, name)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 
+from ..checks import count
 from ..estimate.levers import ATTENTION_KERNELS as ATTENTION_IMPLEMENTATIONS   # what each kernel is priced as
 from .adapters import (ALL_TARGETS, ATTENTION_TARGETS, TARGETS, adapter_state_bytes, frozen_base_saving,
                        gathered_unit_bytes, int8_bits, lora_activation_bytes, lora_params, nf4_bits,
@@ -36,7 +37,7 @@ from .plans import CATS, SHRINKS, Plan, Plans
 from .recipes import LAST_TIME, parse_levers, recipe_answer, recipes, recipes_table
 from .search import LEVERS, adapter_plans, check_levers, serve_plans, train_plans
 from .serving import BLOCK_SIZE, kv_bytes, kv_capacity_tokens, paged_kv_tokens
-from .shapes import LINEARS, shape_of
+from .shapes import LINEARS
 
 __all__ = ["plan", "Plan", "Plans", "TASKS", "LEVERS", "CATS", "LINEARS", "ALL_TARGETS", "ATTENTION_TARGETS",
            "TARGETS", "gpu_spec", "gpu_names", "default_host_memory", "host_bytes", "CUDA_CONTEXT", "HOST_BUFFER",
@@ -55,12 +56,6 @@ FAMILIES = ("llama", "mistral", "qwen2")
 # config options the formulas cannot price, with the reason (a Llama layer without dropout)
 UNPRICED = {"attention_dropout": "dropout on the attention probabilities", "resid_pdrop": "residual dropout",
             "embd_pdrop": "embedding dropout", "hidden_dropout": "hidden-state dropout"}
-
-
-def _count(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def _config(model):
@@ -122,20 +117,22 @@ def plan(model, task, gpu, gpus=1, seq=2048, batch=1, *, host_memory=None, atten
 
     model: anything labkit.estimate takes (preset, family, config.json) of the Llama family; task:
     "pretrain", "finetune" (full), "lora", "qlora" or "serve" (batch = concurrent sequences, seq = their
-    context); gpu: a name of data/gpus.csv or a memory size as the driver reports it; batch: sequences per
-    step, all GPUs together (micro-batches and accumulation are searched); host_memory: bytes or "512 GiB"
+    context); "pretrain" and "finetune" price the same full training step (what differs between them, the
+    data and the number of steps, takes no memory); gpu: a name of data/gpus.csv or a memory size as the
+    driver reports it; batch: sequences per step, all GPUs together (micro-batches and accumulation are searched); host_memory: bytes or "512 GiB"
     of the node's CPU memory (default: labkit.plan.capacity.default_host_memory, stated in the table);
     attention: "sdpa" (flash) or "eager" (the score matrix kept; a config that names eager implies it);
     levers: {name: value} fixing any of LEVERS[kind] (e.g. {"rank": 16, "targets": ("q", "v")}) instead of
     searching it; verify: measure the top plan with labkit.plan.verify.verify(plans) and show it.
     Returns Plans (a list of Plan) that is never empty; inputs no plan can express raise ValueError.
     """
-    from ..estimate import model_shape, param_count
+    from ..estimate import model_shape
+    from ..estimate.params import n_params
     from ..units import parse_bytes
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     g = gpu_spec(gpu)
-    gpus, seq, batch = _count("gpus", gpus), _count("seq", seq), _count("batch", batch)
+    gpus, seq, batch = count("gpus", gpus), count("seq", seq), count("batch", batch)
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"attention must be 'sdpa' or 'eager', got {attention!r}")
     cfg = _config(model)
@@ -147,16 +144,16 @@ def plan(model, task, gpu, gpus=1, seq=2048, batch=1, *, host_memory=None, atten
                          f"got {seq}")
     default_host = host_memory is None
     host = default_host_memory(g, gpus) if default_host else parse_bytes(host_memory, "host_memory")
-    s = shape_of(cfg)
+    s = model_shape(cfg)
     _check_split(task, batch, gpus, s)
     from .shapes import param_shapes
-    ctx = dict(config=cfg, s=s, shape=model_shape(cfg), gpu=g, gpus=gpus, seq=seq, batch=batch,
-               params=param_count(cfg), host_memory=host, attention=attention, fix=fix, numels=param_shapes(s),
+    ctx = dict(config=cfg, shape=s, gpu=g, gpus=gpus, seq=seq, batch=batch,
+               params=n_params(s), host_memory=host, attention=attention, fix=fix, numels=param_shapes(s),
                # the allocator's excess for this model's step at micro-batch 1 (it barely moves with the
                # micro-batch or the depth: tests/test_plan.py), replayed once per question
                fragmentation=step_fragmentation(cfg, 1, seq, training=task != "serve")["fit"])
     if task in ("pretrain", "finetune"):
-        plans = train_plans(ctx, task == "pretrain")
+        plans = train_plans(ctx)                 # the same search: the task only names the question
     elif task in ("lora", "qlora"):
         plans = adapter_plans(ctx, task == "qlora")
     else:

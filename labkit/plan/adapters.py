@@ -4,7 +4,9 @@ backward. Each figure is a small function with its source; tests/test_plan.py ho
 bitsandbytes at tiny size."""
 from __future__ import annotations
 
-from .shapes import LINEARS, layer_params, linears, shape_of
+from ..checks import count
+from ..estimate.config import model_shape
+from .shapes import LINEARS, layer_params, linears
 
 __all__ = ["TARGETS", "ALL_TARGETS", "ATTENTION_TARGETS", "nf4_bits", "int8_bits", "lora_params",
            "quantized_weight_bytes", "frozen_base_saving", "lora_activation_bytes", "quantized_input_bytes",
@@ -47,16 +49,14 @@ def check_targets(targets):
 
 
 def _rank(rank):
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"rank must be a positive int, got {rank!r}")
-    return rank
+    return count("rank", rank)
 
 
 def lora_params(config, rank, targets=ALL_TARGETS):
     """Trainable parameters of LoRA (Hu et al. 2021, sec. 4.1): per adapted matrix W (d_out x d_in), A is
     r x d_in and B is d_out x r: r (d_in + d_out) parameters, in every layer."""
     rank, targets = _rank(rank), check_targets(targets)
-    s = shape_of(config)
+    s = model_shape(config)
     shapes = linears(s)
     return s["L"] * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
 
@@ -64,10 +64,10 @@ def lora_params(config, rank, targets=ALL_TARGETS):
 def quantized_weight_bytes(config, weights):
     """Bytes of the weights with the layers' matrices in `weights` ("bf16", "int8", "nf4"); embeddings,
     norms and the LM head stay 16-bit, as bitsandbytes and QLoRA leave them."""
-    from ..estimate import param_count
-    s = shape_of(config)
+    from ..estimate.params import n_params
+    s = model_shape(config)
     matrices = s["L"] * sum(a * b for a, b in linears(s).values())
-    rest = param_count(s["config"]) - matrices
+    rest = n_params(s) - matrices
     bits = {"bf16": 16, "int8": int8_bits(s["h"]), "nf4": nf4_bits()}
     if weights not in bits:
         raise ValueError(f"weights must be one of {tuple(bits)}, got {weights!r}")

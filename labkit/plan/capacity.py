@@ -121,7 +121,7 @@ def _replayed(config_json, batch, seq, training, layers):
     fake tensors by lk.track and replayed through labkit.alloc."""
     import torch
     from .. import alloc
-    from ..estimate import build_model
+    from ..estimate.config import build_model
     from ..estimate.step import quiet
     from ..memory import track
     from transformers import AutoConfig

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from ..checks import count
 from ..units import fmt_bytes
 from .capacity import CUDA_CONTEXT, HOST_BUFFER
 from .cost import CPU_GBPS, HBM_UTIL, MFU, OUTPUT_TOKENS
@@ -123,8 +124,7 @@ class Plans(list):
     def table(self, rows=10):
         """The ranked plans as text: the first `rows` distinct ones, the answer when nothing fits, the
         capacity and the cost model's constants."""
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-            raise ValueError(f"rows must be an int >= 1, got {rows!r}")
+        rows = count("rows", rows)
         q = self.question
         serve = q["task"] == "serve"
         lines = [f"{q['model']}: {q['task']} on {q['gpus']} x {q['gpu']}, seq {q['seq']}, batch {q['batch']}; "
@@ -167,8 +167,7 @@ class Plans(list):
 
     def to_json(self, rows=None):
         """The question, the answer when nothing fits and the first `rows` plans (all by default) as JSON."""
-        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
-            raise ValueError(f"rows must be an int >= 1, got {rows!r}")
+        rows = None if rows is None else count("rows", rows)
         chosen = list(self) if rows is None else list(self)[:rows]
         question = {k: v for k, v in self.question.items() if k != "config"}    # the config object stays out
         out = dict(question=question, fits=sum(p.fits for p in self), count=len(self),

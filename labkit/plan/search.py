@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import itertools
 
+from ..checks import count
 from ..estimate.formulas import dtype_bytes, training_step
 from ..units import fmt_bytes
-from ..estimate.sharding import Parallel, make_layout
+from ..estimate.sharding import Parallel, layout_problem, make_layout
 from .adapters import (adapter_state_bytes, check_targets, frozen_base_saving, gathered_unit_bytes,
                        lora_activation_bytes, lora_params, quantized_input_bytes, quantized_weight_bytes)
 from .capacity import host_bytes, state_rounding
@@ -70,8 +71,8 @@ def check_levers(kind, levers, gpus=1, task=None):
     for name, value in fix.items():
         if name in VALUES and not any(value is v or (value == v and type(value) is type(v)) for v in VALUES[name]):
             raise ValueError(f"levers[{name!r}] must be one of {VALUES[name]}, got {value!r}")
-        if name in COUNTS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"levers[{name!r}] must be an int >= 1, got {value!r}")
+        if name in COUNTS:
+            fix[name] = count(f"levers[{name!r}]", value)
     if "targets" in fix:
         fix["targets"] = check_targets(fix["targets"])
     dropout = fix.get("lora_dropout", 0.0)
@@ -93,12 +94,11 @@ def choose(ctx, name, searched):
 
 
 def layouts(gpus, s, tp_ok=True):
-    """(dp, tp, pp) with dp x tp x pp = gpus; tp divides the heads (and the KV heads, or they it), pp <= layers."""
+    """(dp, tp, pp) with dp x tp x pp = gpus that the model `s` can have (labkit.estimate.sharding's rule:
+    tp divides the heads, and the KV heads or they it; pp <= layers)."""
     for tp in (1, 2, 4, 8):
         for pp in (1, 2, 4, 8):
-            if gpus % (tp * pp) or (tp > 1 and not tp_ok):
-                continue
-            if s["a"] % tp or (s["kv"] % tp if tp <= s["kv"] else tp % s["kv"]) or pp > s["L"]:
+            if gpus % (tp * pp) or (tp > 1 and not tp_ok) or layout_problem(s, tp, pp):
                 continue
             yield gpus // (tp * pp), tp, pp
 
@@ -149,10 +149,12 @@ def _rounding(ctx, dtype, optimizer, fused, sharded):
     return out
 
 
-def train_plans(ctx, pretrain=False):
-    """Full training: precision, optimizer (8-bit, paged), the step fused into backward, recomputation,
-    activation offload, chunked cross-entropy, ZeRO stage and offload, micro-batches, dp x tp x pp."""
-    s, shape, g, P = ctx["s"], ctx["shape"], ctx["gpu"], ctx["params"]
+def train_plans(ctx):
+    """Full training, "pretrain" and "finetune" alike (a step holds the same weights, gradients, optimizer
+    state and activations whether its weights started random or pretrained): precision, optimizer (8-bit,
+    paged), the step fused into backward, recomputation, activation offload, chunked cross-entropy, ZeRO
+    stage and offload, micro-batches, dp x tp x pp."""
+    s = ctx["shape"]
     seq, batch, gpus, attention = ctx["seq"], ctx["batch"], ctx["gpus"], ctx["attention"]
     out, fix = [], ctx["fix"]
     for dp, tp, pp in layouts(gpus, s):
@@ -173,14 +175,14 @@ def train_plans(ctx, pretrain=False):
                 if act and rc is not True and "activation_offload" not in fix:
                     continue        # searched with full recomputation (torchtune's advice): else every
                                     # saved tensor crosses PCIe twice
-                layout = make_layout(Parallel(dp, zero, tp, pp, offload), shape)
+                layout = make_layout(Parallel(dp, zero, tp, pp, offload), s)
                 for opt in choose(ctx, "optimizer", OPTIMIZERS if not offload else ("adamw",)):
                     if offload and opt != "adamw":
                         continue
                     for fused in choose(ctx, "fused_step", (False, True) if accum == 1 and not offload else (False,)):
                         if fused and (accum > 1 or offload):
                             continue
-                        est = training_step(shape, mb, seq, dtype, opt, rc, False, accum > 1 and dtype == "mixed",
+                        est = training_step(s, mb, seq, dtype, opt, rc, False, accum > 1 and dtype == "mixed",
                                             "cuda", layout, fused_step=fused, chunked_ce=ce, attention=attention,
                                             activation_offload=act, accumulate=accum > 1)
                         levers = dict(dtype=dtype, optimizer=opt, fused_step=fused, recompute=rc,
@@ -191,7 +193,7 @@ def train_plans(ctx, pretrain=False):
 
 
 def _train_plan(ctx, est, levers, frag):
-    s, g, P, gpus, seq = ctx["s"], ctx["gpu"], ctx["params"], ctx["gpus"], ctx["seq"]
+    s, g, P, gpus, seq = ctx["shape"], ctx["gpu"], ctx["params"], ctx["gpus"], ctx["seq"]
     dtype, opt, dp, tp, pp = levers["dtype"], levers["optimizer"], levers["dp"], levers["tp"], levers["pp"]
     mb, accum, offload, zero = levers["micro_batch"], levers["grad_accum"], levers["offload"], levers["zero"]
     tokens = ctx["batch"] * seq
@@ -233,7 +235,7 @@ def adapter_plans(ctx, quantized):
     """LoRA / QLoRA: the frozen base in 16, 8 or 4 bits, replicated or sharded over the GPUs (FSDP of a LoRA
     model), adapters of any rank on any targets with their optimizer state, recomputation, activation
     offload, chunked cross-entropy, micro-batches."""
-    s, shape, g, P = ctx["s"], ctx["shape"], ctx["gpu"], ctx["params"]
+    s = ctx["shape"]
     seq, batch, gpus = ctx["seq"], ctx["batch"], ctx["gpus"]
     if batch % gpus:
         return []
@@ -251,7 +253,7 @@ def adapter_plans(ctx, quantized):
                                              choose(ctx, "chunked_ce", (False, True))):
             if act and rc is not True and "activation_offload" not in ctx["fix"]:
                 continue                                # as for full training: with full recomputation
-            est = training_step(shape, mb, seq, "bf16", None, rc, False, False, "cuda", None, chunked_ce=ce,
+            est = training_step(s, mb, seq, "bf16", None, rc, False, False, "cuda", None, chunked_ce=ce,
                                 attention=ctx["attention"], activation_offload=act, frozen=True)
             for weights, rank, tgt, opt, shard, adapter_dtype, dropout in itertools.product(
                     choose(ctx, "weights", ("nf4", "int8") if quantized else ("bf16",)), choose(ctx, "rank", RANKS),
@@ -271,7 +273,7 @@ def adapter_plans(ctx, quantized):
 def adapter_plan(ctx, est, levers, frag):
     """One LoRA/QLoRA plan from a frozen-base step's moments (`est`: training_step with no optimizer) and
     its levers; also what labkit.plan.recipes uses for a published recipe's exact settings."""
-    s, g, P, gpus, seq = ctx["s"], ctx["gpu"], ctx["params"], ctx["gpus"], ctx["seq"]
+    s, g, P, gpus, seq = ctx["shape"], ctx["gpu"], ctx["params"], ctx["gpus"], ctx["seq"]
     weights, rank, tgt, opt = levers["weights"], levers["rank"], levers["targets"], levers["optimizer"]
     rc, shard, mb, accum = levers["recompute"], levers["shard_base"], levers["micro_batch"], levers["grad_accum"]
     A = lora_params(s["config"], rank, tgt)
@@ -333,7 +335,7 @@ def serve_plans(ctx):
     """Serving `batch` concurrent sequences of `seq` tokens: weights (16, 8 or 4 bits), a paged KV cache
     (16 or 8 bits), one prefill's activations; replicas x tensor parallelism; prefill and decode priced."""
     from ..estimate import estimate
-    s, cfg, g, P = ctx["s"], ctx["config"], ctx["gpu"], ctx["params"]
+    s, cfg, g, P = ctx["shape"], ctx["config"], ctx["gpu"], ctx["params"]
     seq, batch, gpus = ctx["seq"], ctx["batch"], ctx["gpus"]
     frag = ctx["fragmentation"]
     prompt = max(seq - OUTPUT_TOKENS, 1)

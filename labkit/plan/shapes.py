@@ -1,21 +1,11 @@
-"""The sizes the levers read from a Llama-family config: its matrices by name, every parameter's shape, the
-largest tensor and the decoder layer (an FSDP unit). No torch: arithmetic on the config's numbers."""
+"""The sizes the levers read from a Llama-family model's shape (labkit.estimate.model_shape, the one conversion
+of a config): its matrices by name, every parameter's shape, the largest tensor and the decoder layer (an FSDP
+unit). No torch: arithmetic on the shape's numbers."""
 from __future__ import annotations
 
-__all__ = ["LINEARS", "shape_of", "linears", "param_shapes", "largest_param", "layer_params"]
+__all__ = ["LINEARS", "linears", "param_shapes", "largest_param", "layer_params"]
 
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")     # the matrices of one Llama layer (LoRA's targets)
-
-
-def shape_of(config):
-    """h, L, a, d, kv, i, V, tied and the config itself, from anything labkit.estimate.load_config takes."""
-    from ..estimate import load_config
-    c = load_config(config)
-    h, a = c.hidden_size, c.num_attention_heads
-    d = getattr(c, "head_dim", None) or h // a
-    return dict(h=h, L=c.num_hidden_layers, a=a, d=d, kv=getattr(c, "num_key_value_heads", None) or a,
-                i=getattr(c, "intermediate_size", None) or 4 * h, V=c.vocab_size,
-                tied=bool(getattr(c, "tie_word_embeddings", False)), config=c)
 
 
 def linears(s):

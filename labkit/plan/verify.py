@@ -44,7 +44,6 @@ optimizer state is made before the measured step (AdamW on zero gradients), so o
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import io
 import sys
@@ -54,6 +53,8 @@ import warnings
 import numpy as np
 import torch
 
+from .. import checks
+from ..estimate.config import build_model
 from ..units import fmt_bytes
 
 __all__ = ["verify", "Verification", "measure", "Step", "prepare", "weights_dtype", "levers_with_defaults", "LoRALinear",
@@ -155,8 +156,7 @@ def verify(plans, index=0, config=None, max_micro_batches=2, torch_tracker=False
     from ..estimate import load_config
     if not hasattr(plans, "question") or not isinstance(plans, list):
         raise TypeError(f"plans must be what labkit.plan.plan returns (Plans), got {type(plans).__name__}")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(plans):
-        raise ValueError(f"index must be an int in [0, {len(plans)}), got {index!r}")
+    index = checks.index("index", index, len(plans))
     q = plans.question
     top = plans[index]
     config = load_config(config if config is not None else q.get("config", q["model"]))
@@ -202,8 +202,8 @@ def levers_with_defaults(task, levers):
         if name in out and not any(out[name] is a or (out[name] == a and type(out[name]) is type(a)) for a in allowed):
             raise ValueError(f"levers[{name!r}] must be one of {allowed}, got {out[name]!r}")
     for name in ("micro_batch", "grad_accum", "dp", "tp", "pp", "rank", "replicas", "block_size"):
-        if name in out and (isinstance(out[name], bool) or not isinstance(out[name], int) or out[name] < 1):
-            raise ValueError(f"levers[{name!r}] must be an int >= 1, got {out[name]!r}")
+        if name in out:
+            out[name] = checks.count(f"levers[{name!r}]", out[name])
     if "optimizer" in out and out["optimizer"] not in ("adamw", "adamw-8bit", "paged-adamw-8bit", "paged-adamw"):
         raise ValueError(f"levers['optimizer'] must be AdamW or one of its 8-bit or paged versions, got {out['optimizer']!r}")
     return out, unknown
@@ -307,26 +307,7 @@ def _formula_categories(task, lv, device):
     return out
 
 
-# ---- building the model -------------------------------------------------------------------------------
-def _build(config, device, dtype, attention):
-    """The causal LM of `config` on `device` ("fake": FakeTensorMode, the mode kept as model.fake_mode; "meta")."""
-    from ..estimate.config import model_class
-    cls = model_class(config)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        if device == "fake":
-            from torch._subclasses.fake_tensor import FakeTensorMode
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-            with mode:
-                model = cls.from_config(copy.deepcopy(config), attn_implementation=attention)
-            model.fake_mode = mode
-            return model
-        with torch.device(device):
-            return cls.from_config(copy.deepcopy(config), attn_implementation=attention)
-    finally:
-        torch.set_default_dtype(old)
-
+# ---- building the model (labkit.estimate.config.build_model) ------------------------------------------
 
 def attention_name(config, attention, recompute):
     """The attention implementation to build with: `attention` ("sdpa", "eager"), or for recompute="selective"
@@ -416,7 +397,7 @@ def _train(config, task, lv, seq, device, max_micro_batches, notes, seed, torch_
         return _fsdp_step(config, task, lv, seq, device, max_micro_batches, notes, seed)
     dtype = weights_dtype(task, lv)
     torch.manual_seed(seed)
-    model = _build(config, device, dtype, attention_name(config, lv["attention"], lv["recompute"]))
+    model = build_model(config, device, dtype, attention_name(config, lv["attention"], lv["recompute"]))
     with getattr(model, "fake_mode", contextlib.nullcontext()), fake_friendly_moe():
         step = Step(prepare(model, task, lv), lv, device)
         return step.run(seq, max_micro_batches, notes, torch_tracker, runtime)
@@ -511,7 +492,7 @@ class Step:
         says: transformers' (chunked_ce=False), labkit.kernels.linear_cross_entropy (True: CE_CHUNK rows of
         logits at a time, notebook 12), or torchtune's CEWithChunkedOutputLoss ("output": the logits in
         OUTPUT_CHUNKS chunks of the sequence, each upcast and differentiated on its own)."""
-        from ..estimate.formulas import CE_CHUNK, OUTPUT_CHUNKS
+        from ..estimate.levers import CE_CHUNK, OUTPUT_CHUNKS
         lv, model = self.lv, self.model
         amp = torch.autocast(self.device, dtype=torch.bfloat16) if lv.get("dtype") == "amp-bf16" else contextlib.nullcontext()
         saved = SavedToHost(model) if lv.get("activation_offload") else contextlib.nullcontext()
@@ -702,7 +683,7 @@ def _fsdp_step(config, task, lv, seq, device, max_micro_batches, notes, seed):
         mesh = init_device_mesh(dev, (lv["dp"],))              # outside FakeTensorMode (it reads real ranks)
         torch.manual_seed(seed)
         with fake, fake_friendly_moe():
-            model = prepare(_build(config, "meta", dtype, attention_name(config, lv["attention"], lv["recompute"])),
+            model = prepare(build_model(config, "meta", dtype, attention_name(config, lv["attention"], lv["recompute"])),
                             task, lv)
             for layer in model.get_decoder().layers:
                 fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
@@ -748,7 +729,7 @@ def _serve(config, lv, seq, users, device, only, notes, plan_parts):
     if lv["tp"] > 1:
         notes.append(f"tp={lv['tp']}: one rank of tensor parallelism is not run here")
         return None, {}, only, {}, notes
-    model = _build(config, device, torch.bfloat16, "sdpa")
+    model = build_model(config, device, torch.bfloat16, "sdpa")
     fake = getattr(model, "fake_mode", contextlib.nullcontext())
     dev = "cpu" if device == "fake" else device
     with fake:

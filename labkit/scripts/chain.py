@@ -23,6 +23,7 @@ def main():
         os.environ["LABKIT_RESULT"] = results[i] if i < len(results) else ""
         importlib.import_module(name).main()
     if dist.is_initialized():
+        dist.barrier()                      # no rank leaves while a peer still receives (gloo can abort)
         dist.destroy_process_group()
 
 

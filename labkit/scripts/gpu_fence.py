@@ -1,7 +1,8 @@
 """Run inside each notebook's kernel by `make test-gpu` (labkit/scripts/gpu_run.py), before the first cell.
 
-Fences the kernel's CUDA caching allocator to $LABKIT_GPU_FENCE bytes (a per-process memory fraction: the
-allocator frees its cache and retries before it raises, as on a card of that size), and keeps the
+Fences the kernel's CUDA caching allocator to $LABKIT_GPU_FENCE bytes (gpu_run sets it to labkit.device's
+CARD * (1 - HEADROOM) = 21.6 GiB, what tests/test_full_size.py promises each step fits; a per-process memory
+fraction: the allocator frees its cache and retries before it raises, as on a card of that size), and keeps the
 kernel's peak reserved and allocated bytes in $LABKIT_GPU_PEAK_FILE (JSON, rewritten after every cell:
 nbval kills the kernel at the end, so nothing waits for an exit). A notebook's own
 torch.cuda.reset_peak_memory_stats() (lk.free calls it) first folds the peak so far into the record. A

@@ -1,12 +1,13 @@
 """`make test-gpu`: every notebook at full size and tests/test_gpu.py on one CUDA GPU, within one window.
 
-    python -m labkit.scripts.gpu_run [--notebooks 03 05 | todo] [--workers N] [--budget 540] [--fence 22GiB]
+    python -m labkit.scripts.gpu_run [--notebooks 03 05 | todo] [--workers N] [--budget 540] [--fence 21.6GiB]
 
 The notebooks run in parallel workers on the one GPU, each under nbval (`pytest --nbval-lax`, the
 repository's conftest failing a cell that writes to stderr) in a kernel of its own whose CUDA caching
-allocator is fenced to a 24 GB card's memory (FENCE_BYTES: 22 GiB, what an L4's 22.5 GiB leaves after
-its CUDA context; labkit/scripts/gpu_fence.py sets a per-process memory fraction before the first cell).
-So on a larger GPU each notebook still proves the workbook's promise: every step it runs fits 24 GB.
+allocator is fenced to what the workshop card leaves a notebook (FENCE_BYTES: lk.CARD * (1 - lk.HEADROOM) =
+21.6 GiB, the limit tests/test_full_size.py holds every FULL_STEPS entry to; labkit/scripts/gpu_fence.py sets
+a per-process memory fraction before the first cell). So on a larger GPU each notebook still proves the
+workbook's promise: every step it runs fits a 24 GB card.
 Workers: as many as the GPU's memory holds (a fence and 2 GiB beside it for the CUDA context and what
 the notebook's own subprocesses take) and the CPU cores allow (3 each: the kernel, compile workers, gloo
 ranks), longest notebook first (by its last time on this GPU in data/gpu/, else its metadata's
@@ -34,9 +35,11 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
+from labkit.device import CARD, HEADROOM
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GiB = 2**30
-FENCE_BYTES = 22 * GiB          # a 24 GB card (L4: 22.5 GiB in all) less its CUDA context
+FENCE_BYTES = int(CARD * (1 - HEADROOM))   # 21.6 GiB: what every notebook step promises to fit
 BESIDE_BYTES = 2 * GiB          # per worker beyond its fence: the context, a notebook's own subprocesses
 KEEP_FREE_BYTES = 4 * GiB       # of the GPU, left to no worker
 CORES_PER_WORKER = 3
@@ -261,7 +264,7 @@ def summary(results, not_started, all_names, records, gpu):
 def parse_bytes_arg(text):
     match = re.fullmatch(r"\s*([0-9.]+)\s*(GiB|GB|MiB)?\s*", text)
     if not match:
-        raise argparse.ArgumentTypeError(f"--fence must be a size like 22GiB, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--fence must be a size like 21.6GiB, got {text!r}")
     return int(float(match.group(1)) * {"GiB": GiB, "GB": 10**9, "MiB": 2**20, None: 1}[match.group(2)])
 
 
@@ -272,7 +275,7 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=None, help="jobs at once (default: what memory and cores allow)")
     p.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds from --started (default {BUDGET_S})")
     p.add_argument("--started", type=float, default=None, metavar="EPOCH", help="the command's start (date +%%s)")
-    p.add_argument("--fence", type=parse_bytes_arg, default=FENCE_BYTES, help="each kernel's memory (default 22GiB)")
+    p.add_argument("--fence", type=parse_bytes_arg, default=FENCE_BYTES, help=f"each kernel's memory (default {FENCE_BYTES / GiB:.1f}GiB)")
     p.add_argument("--cores", type=int, default=None, help=f"CPU cores (default: this machine's; --plan without "
                                                              f"CUDA: {PLAN_CORES})")
     p.add_argument("--plan", action="store_true", help="print the jobs, their minutes and the worker layout; run nothing "

@@ -7,7 +7,7 @@ caching allocator), the allocator model against the real allocator (validate_all
 flash-attention kernel against SDPA, TF32 off and on, the Triton matmul against cuBLAS, a CUDA graph's
 private pool, pinned against pageable copies, a copy overlapped on a side stream, bitsandbytes 4-bit at
 batch 1; then, while time remains, each notebook's largest full-size step (its FULL_STEPS) run for real
-under a memory cap of 24 GiB less the notebook's HEADROOM (contract 1 checked on the allocator itself): peak
+under a memory cap of lk.CARD (24 GiB) less lk.HEADROOM (contract 1 checked on the allocator itself): peak
 tracked, peak allocated and reserved against the estimate, and its time.
 
 Each result is appended as one JSON line to data/gpu/<gpu name>.jsonl: "gpu", "date", "check", "torch",
@@ -649,15 +649,17 @@ def check_bnb_4bit(ctx):
 
 # ---- each notebook's full-size steps ------------------------------------------------------------------
 class NoPlan(Skip):
-    """The notebook's parameters cell lacks FULL_STEPS or HEADROOM, or they are malformed."""
+    """The notebook's parameters cell lacks FULL_STEPS, or it is malformed."""
 
 
 def full_steps(notebook):
-    """(FULL_STEPS, HEADROOM) of the notebook's parameters cell, executed here (set LABKIT_SIZE=full first).
+    """FULL_STEPS of the notebook's parameters cell, executed here (set LABKIT_SIZE=full first).
 
-    Shared with tests/test_full_size.py. Raises NoPlan where the plan is missing or malformed; whatever
-    the cell raises itself propagates."""
+    Shared with tests/test_full_size.py. Each step must fit labkit.device.CARD * (1 - HEADROOM): the headroom
+    is labkit's, not the notebook's. Raises NoPlan where the plan is missing or malformed; whatever the cell
+    raises itself propagates."""
     import torch
+    from labkit.device import HEADROOM
     source = parameters_source(notebook)
     if any(line.lstrip().startswith(("%", "!")) for line in source.splitlines()):
         raise NoPlan("its parameters cell uses IPython magics (% or !): keep it plain Python")
@@ -669,16 +671,16 @@ def full_steps(notebook):
     finally:
         os.chdir(cwd)
         torch.set_num_threads(threads)       # parameters cells set one thread: that is for their notebook
-    missing = [n for n in ("FULL_STEPS", "HEADROOM") if n not in env]
-    if missing:
-        raise NoPlan(f"its parameters cell does not define {' and '.join(missing)} (contract 1: FULL_STEPS = "
-                     f"{{step: lk.estimate keywords or dict(bytes=...)}}, HEADROOM = 0.10)")
-    steps, headroom = env["FULL_STEPS"], env["HEADROOM"]
+    if "FULL_STEPS" not in env:
+        raise NoPlan("its parameters cell does not define FULL_STEPS (contract 1: FULL_STEPS = "
+                     "{step: lk.estimate keywords or dict(bytes=...)})")
+    if "HEADROOM" in env and env["HEADROOM"] != HEADROOM:
+        raise NoPlan(f"its parameters cell sets HEADROOM = {env['HEADROOM']!r}: the headroom is labkit's "
+                     f"(lk.HEADROOM = {HEADROOM}), the same for every notebook")
+    steps = env["FULL_STEPS"]
     if not isinstance(steps, dict) or not steps:
         raise NoPlan(f"FULL_STEPS must be a non-empty dict of step name -> keywords, got {steps!r}")
-    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
-        raise NoPlan(f"HEADROOM must be a fraction in [0, 1), got {headroom!r}")
-    return steps, float(headroom)
+    return steps
 
 
 class ipython_stand_in:
@@ -726,94 +728,96 @@ def parameters_source(notebook):
     return "".join(src) if isinstance(src, list) else src
 
 
-RUNNABLE = {"config", "batch", "seq", "dtype", "optimizer", "training", "recompute", "foreach"}
+PLAIN = {"config", "batch", "seq", "dtype", "optimizer", "training", "recompute", "foreach", "device"}
+
+
+def how(kw):
+    """How gpu-smoke runs this FULL_STEPS entry: ("plain", "") as a plain training loop's step
+    (labkit.estimate.step.plain_step, the step lk.estimate measures), ("verify", "") with its levers
+    (labkit.plan.verify.measure: fused step, chunked loss, accumulation, mixed precision, ...), or
+    (None, why not). The entry is read by labkit.estimate.full_step, as tests/test_full_size.py reads it."""
+    from labkit.estimate import full_step
+    step = full_step(kw)
+    if step["bytes"] is not None:
+        return None, "a step given by its bytes (no model to run)"
+    kw = step["estimate"]
+    if kw.get("training", True) is False:
+        return None, "an inference step (gpu-smoke runs training steps)"
+    extra = sorted(set(kw) - PLAIN)
+    why = (f"keywords gpu-smoke does not run: {', '.join(extra)}" if extra
+           else f"dtype {kw.get('dtype')!r}" if kw.get("dtype", "bf16") not in ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16")
+           else f"optimizer {kw.get('optimizer')!r}" if kw.get("optimizer", "adamw") not in ("sgd", "sgd-momentum", "adam", "adamw", None)
+           else f"recompute={kw.get('recompute')!r} (only True or False)" if kw.get("recompute", False) not in (False, True)
+           else "")
+    if not why:
+        return "plain", ""
+    beyond_plain = step["levers"] or kw.get("dtype") == "mixed" or str(kw.get("optimizer")).startswith(("adamw-8bit", "paged-"))
+    if beyond_plain and step["verify"] is not None:
+        return "verify", ""
+    return None, why
 
 
 def runnable(kw):
-    """Why gpu-smoke cannot run this FULL_STEPS entry as a plain training step ('' if it can)."""
-    if "bytes" in kw:
-        return "a step given by its bytes (no model to run)"
-    extra = sorted(set(kw) - RUNNABLE)
-    if extra:
-        return f"keywords gpu-smoke does not run: {', '.join(extra)}"
-    if kw.get("training", True) is False:
-        return "an inference step (gpu-smoke runs training steps)"
-    if kw.get("dtype", "bf16") not in ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"):
-        return f"dtype {kw.get('dtype')!r}"
-    if kw.get("optimizer", "adamw") not in ("sgd", "sgd-momentum", "adam", "adamw", None):
-        return f"optimizer {kw.get('optimizer')!r}"
-    if kw.get("recompute", False) not in (False, True):
-        return f"recompute={kw.get('recompute')!r} (only True or False)"
-    return ""
+    """Why gpu-smoke cannot run this FULL_STEPS entry ('' if it can)."""
+    return how(kw)[1]
 
 
 def run_step(kw, device="cuda"):
-    """One FULL_STEPS entry run for real on the GPU: two tracked steps, a third timed. Figures.
+    """One FULL_STEPS entry run for real on the GPU: its peak tracked against the estimate. Figures.
 
+    A plain step: two tracked steps, then a third timed. A step with levers: labkit.plan.verify.measure's
+    step, one tracked (its optimizer state made before it). What the entry says stays alive beside the step
+    (`beside`) is counted in the estimate and in check_notebook's cap, not allocated here.
     device="cpu" runs the same code without the allocator's figures (tests, at tiny size)."""
-    import contextlib
     import torch
     import labkit as lk
-    from labkit.estimate import _model_class, load_config
+    from labkit.estimate import full_step, load_config
+    from labkit.estimate.config import build_model
+    from labkit.estimate.step import plain_step, quiet
+    kind, why = how(kw)
+    if kind is None:
+        raise Skip(why)
+    step_kw = full_step(kw)
+    kw, beside = step_kw["estimate"], sum(step_kw["beside"].values())
     est = lk.estimate(**{**kw, "device": "cuda"})
     config = load_config(kw["config"])
-    if getattr(config, "is_encoder_decoder", False):
-        raise Skip(f"{config.model_type} is an encoder-decoder: gpu-smoke runs decoder and encoder steps only")
-    cls = _model_class(config)
-    masked = cls.__name__ == "AutoModelForMaskedLM"         # BERT's masked-LM head: no KV cache to turn off
-    dtype = kw.get("dtype", "bf16")
-    weights = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(weights)
-    try:
-        with torch.device(device):
-            model = cls.from_config(config)
-    finally:
-        torch.set_default_dtype(old)
-    model.train()
-    if kw.get("recompute"):          # transformers 5.24 renamed it (the old name warns); 5.17 has the old one only
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable({"use_reentrant": False})
-    foreach = kw.get("foreach", False)
-    make = {"sgd": lambda p: torch.optim.SGD(p, lr=1e-3), "sgd-momentum": lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9),
-            "adam": lambda p: torch.optim.Adam(p, lr=1e-5, foreach=foreach),
-            "adamw": lambda p: torch.optim.AdamW(p, lr=1e-5, foreach=foreach), None: None}[kw.get("optimizer", "adamw")]
-    opt = make(model.parameters()) if make else None
-    ids = torch.randint(0, config.vocab_size, (kw.get("batch", 1), kw.get("seq", 512)), device=device)
-    amp = torch.autocast(device, dtype=torch.bfloat16 if dtype == "amp-bf16" else torch.float16) \
-        if dtype.startswith("amp") else contextlib.nullcontext()
-
-    def step():
-        with amp:
-            loss = model(input_ids=ids, labels=ids, **({} if masked else {"use_cache": False})).loss
-        loss.backward()
-        del loss
-        if opt is not None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
-
-    objs = (model, opt) if opt is not None else (model,)
     cuda = device == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    tracked, allocated = 0, 0
-    for _ in range(2):                          # the first step creates the optimizer state, the second is steady
-        with lk.track(*objs, device=device) as mem:
-            step()
-        tracked = max(tracked, mem.peak)
-        if cuda:
-            allocated = max(allocated, mem.cuda["peak_allocated"] - mem.cuda["allocated_start"] + mem.start)
-    if cuda:
-        reserved, step_s = torch.cuda.max_memory_reserved(), gpu_time(step, repeat=1, warmup=0)
+    tracked, allocated, step_s = 0, None, None
+    if kind == "verify":
+        from labkit.plan.verify import measure
+        lv = step_kw["verify"]
+        parts = measure(config, "finetune", lv, kw.get("seq", 512), batch=lv["micro_batch"] * lv["grad_accum"],
+                        device=device)[0]
+        tracked = sum(parts.values())
     else:
-        t0 = time.perf_counter()
-        step()
-        reserved, allocated, step_s = None, None, time.perf_counter() - t0
-    return dict(estimated_bytes=int(est.total), tracked_bytes=int(tracked), allocated_bytes=allocated,
-                reserved_bytes=reserved, estimate_gap=tracked / est.total - 1, step_s=step_s)
+        dtype = kw.get("dtype", "bf16")
+        weights = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+        model = build_model(config, device, weights)
+        ids = torch.randint(0, config.vocab_size, (kw.get("batch", 1), kw.get("seq", 512)), device=device)
+        step, objs = plain_step(model, config, ids, dtype, kw.get("optimizer", "adamw"), kw.get("recompute", False),
+                                kw.get("foreach", False))
+        with quiet():
+            for _ in range(2):                  # the first step creates the optimizer state, the second is steady
+                with lk.track(*objs, device=device) as mem:
+                    step()
+                tracked = max(tracked, mem.peak)
+                if cuda:
+                    allocated = max(allocated or 0, mem.cuda["peak_allocated"] - mem.cuda["allocated_start"] + mem.start)
+            if cuda:
+                step_s = gpu_time(step, repeat=1, warmup=0)
+            else:
+                t0 = time.perf_counter()
+                step()
+                step_s = time.perf_counter() - t0
+    reserved = torch.cuda.max_memory_reserved() if cuda else None
+    if cuda and kind == "verify":
+        allocated = torch.cuda.max_memory_allocated()
+    return dict(how=kind, estimated_bytes=int(est.total) + beside, tracked_bytes=int(tracked) + beside,
+                beside_bytes=beside, allocated_bytes=allocated, reserved_bytes=reserved,
+                estimate_gap=(tracked + beside) / (est.total + beside) - 1, step_s=step_s)
 
 
 class card:
@@ -839,18 +843,19 @@ class card:
 
 def check_notebook(stem):
     """The check of one notebook: its largest runnable FULL_STEPS entry (then the others while time remains)
-    run for real under a memory cap of 24 GiB * (1 - HEADROOM) (a per-process memory fraction, so the
-    caching allocator behaves as on a 24 GiB card: it frees its cache and retries before it gives up); the
+    run for real under a memory cap of lk.CARD * (1 - lk.HEADROOM) (a per-process memory fraction, so the
+    caching allocator behaves as on the workshop card: it frees its cache and retries before it gives up); the
     record says whether each step ran within the cap, and its peaks against the estimate."""
     def check(ctx):
         import torch
         import labkit as lk
+        from labkit.estimate import full_step
         path = ctx.root / "notebooks" / f"{stem}.ipynb"
         if not path.exists():
             raise Skip(f"{path} is not here: run make gpu-smoke from a checkout")
         os.environ["LABKIT_SIZE"] = "full"
         try:
-            steps, headroom = full_steps(path)
+            steps = full_steps(path)
         except NoPlan as e:
             raise Skip(f"{stem}: {e}") from None
         why = {name: runnable(kw) for name, kw in steps.items()}
@@ -858,25 +863,29 @@ def check_notebook(stem):
         if not todo:
             raise Skip(f"{stem}: no FULL_STEPS entry gpu-smoke can run (" +
                        "; ".join(f"{n}: {r}" for n, r in why.items()) + ")")
-        estimated = {n: lk.estimate(**{**steps[n], "device": "cuda"}).total for n in todo}
+        read = {n: full_step(steps[n]) for n in todo}
+        beside = {n: sum(read[n]["beside"].values()) for n in todo}
+        estimated = {n: lk.estimate(**{**read[n]["estimate"], "device": "cuda"}).total + beside[n] for n in todo}
         todo.sort(key=lambda n: -estimated[n])
-        limit = 24 * GiB * (1 - headroom)
+        limit = lk.CARD * (1 - lk.HEADROOM)
         ran, problems = {}, []
         for name in todo:
             if ran and ctx.left() < 20:
                 break
             try:
-                with card(limit):
+                with card(limit - beside[name]):         # what stays alive beside the step takes its share
                     ran[name] = run_step(steps[name])
                 ran[name]["fits_24gib"] = True
             except torch.OutOfMemoryError as e:
                 ran[name] = dict(estimated_bytes=int(estimated[name]), fits_24gib=False, oom=str(e)[:500])
-                problems.append(f"step {name!r} ran out of memory under the {limit / GiB:.1f} GiB cap (24 GiB with "
-                                f"HEADROOM {headroom}); estimated {estimated[name] / GiB:.1f} GiB")
+                kept = f", less {beside[name] / GiB:.1f} GiB kept beside it" if beside[name] else ""
+                problems.append(f"step {name!r} ran out of memory under the {(limit - beside[name]) / GiB:.1f} GiB cap "
+                                f"({lk.CARD / GiB:.0f} GiB with HEADROOM {lk.HEADROOM:g} left free{kept}); estimated "
+                                f"{estimated[name] / GiB:.1f} GiB")
             finally:
                 lk.free()                        # the step's model and optimizer are gone: return their memory
         largest = todo[0]
-        return dict(step=largest, **ran[largest], limit_bytes=int(limit), headroom=headroom,
+        return dict(step=largest, **ran[largest], limit_bytes=int(limit), headroom=lk.HEADROOM,
                     steps_run=len(ran), steps_not_run=", ".join(f"{n} ({r})" for n, r in why.items() if r) or "none",
                     all_steps=ran, gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory,
                     problems=problems)

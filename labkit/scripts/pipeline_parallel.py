@@ -14,38 +14,15 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.flop_counter import FlopCounterMode
 
 import labkit as lk
 from labkit.launch import finish, init, progress, write_result
-from labkit.parallel import balanced_split
+from labkit.pipeline_parallel import Stage, balanced_split, loss_fn
 
 BATCH, SEQ = 16, 64
 MICROBATCHES = (2, 4, 8)
-
-
-class Stage(torch.nn.Module):
-    """Decoder layers [lo, hi) of a transformers Llama, with the embedding or the head where they belong."""
-
-    def __init__(self, model, lo, hi, first, last):
-        super().__init__()
-        self.embed = model.model.embed_tokens if first else None
-        self.layers = torch.nn.ModuleList(model.model.layers[lo:hi])
-        self.rotary = model.model.rotary_emb
-        self.norm, self.head = (model.model.norm, model.lm_head) if last else (None, None)
-
-    def forward(self, x):                      # ids (B, T) on the first stage, hidden (B, T, h) after
-        h = self.embed(x) if self.embed is not None else x
-        pe = self.rotary(h, torch.arange(h.shape[1], device=h.device)[None].expand(h.shape[0], -1))
-        for layer in self.layers:              # attention_mask=None: SDPA's causal path
-            h = layer(h, position_embeddings=pe, attention_mask=None)
-        return self.head(self.norm(h)) if self.head is not None else h
-
-
-def loss_fn(logits, ids):                      # the causal LM loss transformers computes
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
 def flops(fn):

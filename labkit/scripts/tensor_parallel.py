@@ -1,7 +1,7 @@
 """Tensor parallelism on N ranks (torchrun -m labkit.scripts.tensor_parallel): from scratch, then DTensor.
 
 Every rank builds the same tiny Llama (same seed). Part 1 shards layer 0's MLP and attention with
-labkit.parallel and checks outputs and gradients against the unsharded blocks, counting the bytes
+labkit.tensor_parallel and checks outputs and gradients against the unsharded blocks, counting the bytes
 all-reduced and the memory per rank. Part 2 shards every layer with PyTorch's `parallelize_module`
 (ColwiseParallel / RowwiseParallel) and checks the loss and the weights after one AdamW step.
 """
@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import labkit as lk
 from labkit.estimate import activation_bytes_per_token
 from labkit.launch import finish, init, progress, write_result
-from labkit.parallel import COMM, ParallelAttention, ParallelMLP
+from labkit.tensor_parallel import COMM, ParallelAttention, ParallelMLP
 
 B, T = 4, 64
 # fp32 sums in a different order on each rank: agreement to ~1e-6 relative, so rtol 1e-4 is generous

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
-import os
 import pathlib
 import re
 import shutil

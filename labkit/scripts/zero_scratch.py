@@ -92,7 +92,7 @@ def reference(build, data, quick):
 def check_stage(stage, build, data, ref_losses, ref_params, quick):
     rank, world = dist.get_rank(), dist.get_world_size()
     model, units = build(torch.float32, DEVICE[0])
-    engine = zero.Zero(model, stage, lr=LR, units=units)
+    engine = zero.engine(model, stage, units, lr=LR)
     losses = []
     for x, y in data:
         loss = loss_of(model, x.chunk(world)[rank], y.chunk(world)[rank], quick)
@@ -118,7 +118,7 @@ def measure_stage(stage, build, data, quick):
     params = sum(p.numel() for p in model.parameters())
     padded = sum(zero.shard_size(p.numel(), world) * world for p in model.parameters())
     embed = model.model.embed_tokens.weight.numel() if not quick else 0
-    engine = zero.Zero(model, stage, lr=LR, units=units)
+    engine = zero.engine(model, stage, units, lr=LR)
     for step, (x, y) in enumerate(data[:2]):
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         if quick:                                          # the MLP's inputs in the weights' dtype

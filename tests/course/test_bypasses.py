@@ -20,10 +20,10 @@ NOTEBOOKS = {p.name[:2]: p for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipyn
 # (exercise id, what the refusal must name (any one of these), the answer that calls the taught code)
 BYPASSES = {
     "00": [
-        ("00-ex1", ["labkit.estimate._storage_bytes", "labkit.estimate.step.storage_bytes"], """
-            from labkit.estimate import _storage_bytes
+        ("00-ex1", ["labkit.estimate.step.storage_bytes"], """
+            from labkit.estimate.step import storage_bytes as counted
 
-            def storage_bytes(tensors, _count=_storage_bytes):
+            def storage_bytes(tensors, _count=counted):
                 return _count(tensors)
             """),
         ("00-ex2", ["labkit.estimate"], """
@@ -143,14 +143,14 @@ BYPASSES = {
                     m += 1
                 return m
             """),
-        ("09-ex3", ["labkit.parallel.CopyToParallel.backward", "labkit.parallel.ReduceFromParallel.forward"], """
-            import labkit.parallel as _par
+        ("09-ex3", ["labkit.tensor_parallel.CopyToParallel.backward", "labkit.tensor_parallel.ReduceFromParallel.forward"], """
+            import labkit.tensor_parallel as _par
 
             _par.counted_all_reduce = all_reduce        # labkit's f and g, their all-reduce the simulated one
             Copy, Reduce = _par.CopyToParallel, _par.ReduceFromParallel
             """),
-        ("09-ex4", ["labkit.parallel.one_f_one_b"], """
-            def one_f_one_b_order(p, m, _schedule=par.one_f_one_b):
+        ("09-ex4", ["labkit.pipeline_parallel.one_f_one_b"], """
+            def one_f_one_b_order(p, m, _schedule=pipeline_parallel.one_f_one_b):
                 return _schedule(p, m)
             """),
     ],

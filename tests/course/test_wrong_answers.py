@@ -271,10 +271,10 @@ WRONG = {
                         self.scale, self.clean = self.scale * self.backoff, 0
                     return finite
             """),
-        ("02-ex2", "labkit.zero.Zero(stage=0): fp32 masters, AdamW and the copy back, found in the library", """
+        ("02-ex2", "labkit.zero.DDP: fp32 masters, AdamW and the copy back, found in the library", """
             import tempfile
             import torch.distributed as dist
-            from labkit.zero import Zero
+            from labkit.zero import DDP
 
             class MasterWeights:
                 def __init__(self, params, lr, **adamw):
@@ -283,7 +283,7 @@ WRONG = {
                         dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
                     holder = torch.nn.Module()
                     holder.weights = torch.nn.ParameterList(self.params)
-                    self.engine = Zero(holder, stage=0, lr=lr, **adamw)
+                    self.engine = DDP(holder, lr=lr, **adamw)
                     self.master = self.engine.master
 
                 def step(self):

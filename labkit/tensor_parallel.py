@@ -1,4 +1,4 @@
-"""Tensor parallelism from scratch (Megatron-LM, Shoeybi et al. 2019, sec. 3) and pipeline schedules counted.
+"""Tensor parallelism from scratch (Megatron-LM, Shoeybi et al. 2019, sec. 3), the bytes it all-reduces counted.
 
 Column-parallel linear:  Y = X W^T with W split along its output dimension: rank i computes Y_i = X W_i^T.
 Row-parallel linear:     W split along its input dimension: rank i computes X_i W_i^T, and the sum over
@@ -7,11 +7,8 @@ An MLP is column-parallel then row-parallel, so the pieces never need gathering 
     f = copy to the ranks   (forward: identity,   backward: all-reduce the input gradient)
     g = reduce from ranks   (forward: all-reduce, backward: identity)
 one all-reduce in forward and one in backward per block. `COMM` counts the bytes each rank all-reduces.
-Pipeline parallelism: `balanced_split` cuts the layers into stages of equal cost, `replay` times a
-schedule's per-stage order of forward and backward chunks in units of work, so bubbles can be counted.
-The ranks import this module from scripts started by `torchrun`: `labkit.launch` starts them, and the
-old names `labkit.parallel.launch`, `init`, `progress`, `finish`, `write_result` and `process_group_calls`
-(now in `labkit.collectives`) still work.
+The ranks import this module from scripts started by `torchrun` (`labkit.launch`); `labkit.launch.fake_ranks`
+runs one rank alone on a fake process group.
 """
 from __future__ import annotations
 
@@ -19,14 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .collectives import process_group_calls
-from .launch import _alive, _free_port, finish, init, launch, progress, write_result   # their old home: kept
+from .checks import count, index
 
-__all__ = ["COMM", "CopyToParallel", "ReduceFromParallel", "copy_to_parallel", "reduce_from_parallel", "counted_all_reduce",
-           "shard_weight", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention",
-           "ParallelLlamaAttention", "shard_llama",
-           "balanced_split", "gpipe", "one_f_one_b", "replay",
-           "launch", "progress", "init", "finish", "write_result", "process_group_calls"]
+__all__ = ["COMM", "CopyToParallel", "ReduceFromParallel", "copy_to_parallel", "reduce_from_parallel",
+           "counted_all_reduce", "shard_weight", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
+           "ParallelAttention", "ParallelLlamaAttention", "shard_llama"]
 
 COMM = {"all_reduce_calls": 0, "all_reduce_bytes": 0}
 
@@ -73,10 +67,8 @@ def reduce_from_parallel(x):
 
 def shard_weight(weight, dim, rank, world):
     """Rank `rank`'s 1/world slice of `weight` along `dim`, a new Parameter (a copy)."""
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"world must be a positive int, got {world!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
+    world = count("world", world)
+    rank = index("rank", rank, world)
     if weight.shape[dim] % world:
         raise ValueError(f"dimension {dim} of the weight ({weight.shape[dim]}) must divide by the world size {world}")
     return torch.nn.Parameter(weight.detach().chunk(world, dim)[rank].clone())
@@ -167,87 +159,3 @@ def shard_llama(model, rank, world):
         layer.self_attn = ParallelLlamaAttention(layer.self_attn, rank, world)
         layer.mlp = ParallelMLP(layer.mlp, rank, world)
     return model
-
-
-def _largest_stage(candidate):                      # (largest stage cost, cuts) -> what balanced_split minimises
-    return candidate[0]
-
-
-def balanced_split(costs, parts):
-    """Cut `costs` (one number per layer, in order) into `parts` contiguous, non-empty stages whose
-    largest total is as small as possible. Returns [(lo, hi), ...], layer indices [lo, hi) per stage."""
-    n = len(costs)
-    if not isinstance(parts, int) or not 1 <= parts <= n:
-        raise ValueError(f"parts must be an int in [1, {n}] (one layer per stage at least), got {parts!r}")
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    # best[k][i]: (largest stage cost, cuts) for the first i layers in k stages
-    best = {(1, i): (prefix[i], [0, i]) for i in range(1, n + 1)}
-    for k in range(2, parts + 1):
-        for i in range(k, n + 1):
-            best[k, i] = min(((max(best[k - 1, j][0], prefix[i] - prefix[j]), best[k - 1, j][1] + [i])
-                              for j in range(k - 1, i)), key=_largest_stage)
-    cuts = best[parts, n][1]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
-def gpipe(p, m):
-    """GPipe's order (Huang et al. 2019): on every one of `p` stages, the forwards of all `m` micro-batches,
-    then their backwards. Per stage a list of ("F" | "B", micro-batch) chunks, as `replay` reads them."""
-    return [[("F", c) for c in range(m)] + [("B", c) for c in range(m)] for _ in range(p)]
-
-
-def one_f_one_b(p, m):
-    """1F1B, PipeDream-Flush's order (Narayanan et al. 2021, sec. 2.2), what `Schedule1F1B` runs: stage s starts
-    with p - 1 - s forwards (warm-up), then alternates one forward, one backward, and ends with the backwards
-    left (cool-down). A stage holds at most p - s micro-batches' activations instead of GPipe's m."""
-    orders = []
-    for s in range(p):
-        warm = min(p - 1 - s, m)
-        order = [("F", c) for c in range(warm)]
-        for c in range(m - warm):                           # steady state: one forward, one backward
-            order += [("F", warm + c), ("B", c)]
-        order += [("B", c) for c in range(m - warm, m)]     # cool-down
-        orders.append(order)
-    return orders
-
-
-def replay(orders, costs):
-    """Time a pipeline schedule in units of work instead of seconds.
-
-    orders: per stage, its ("F" | "B", micro-batch) chunks in the order the schedule ran them.
-    costs:  per stage, {"F": units, "B": units}: how long one chunk takes there.
-    A chunk starts when its stage is free and its input is ready: F(s, c) needs F(s-1, c); B(s, c)
-    needs B(s+1, c), or F(s, c) on the last stage. Returns per stage [(kind, chunk, start, end)].
-    """
-    p = len(orders)
-    done, free, pos = {}, [0] * p, [0] * p
-    timeline = [[] for _ in range(p)]
-    moved = True
-    while moved:
-        moved = False
-        for s in range(p):
-            while pos[s] < len(orders[s]):
-                kind, chunk = orders[s][pos[s]]
-                if kind == "F":
-                    dep = ("F", s - 1, chunk) if s > 0 else None
-                elif kind == "B":
-                    dep = ("B", s + 1, chunk) if s < p - 1 else ("F", s, chunk)
-                else:
-                    raise ValueError(f"chunk kind must be 'F' or 'B', got {kind!r} on stage {s}")
-                if dep is not None and dep not in done:
-                    break                                   # wait for the other stage
-                start = max(free[s], done.get(dep, 0))
-                free[s] = done[kind, s, chunk] = start + costs[s][kind]
-                timeline[s].append((kind, chunk, start, free[s]))
-                pos[s] += 1
-                moved = True
-    stuck = {s: orders[s][pos[s]] for s in range(p) if pos[s] < len(orders[s])}
-    if stuck:
-        raise ValueError(f"the orders deadlock: stage -> chunk it waits on {stuck}")
-    return timeline
-
-
-_Copy, _Reduce = CopyToParallel, ReduceFromParallel      # their names before notebook 09 showed them
-_all_reduce, _shard = counted_all_reduce, shard_weight

@@ -10,30 +10,30 @@ import operator
 __all__ = ["count", "flag", "index", "power_of_two"]
 
 
+def _int(value):
+    """value as an int if it is one (numpy integers too; not a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def count(name, value, minimum=1):
     """An int >= minimum (numpy integers welcome), else a ValueError naming the argument."""
-    if not isinstance(value, bool):
-        try:
-            n = operator.index(value)
-        except TypeError:
-            pass
-        else:
-            if n >= minimum:
-                return n
-    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    n = _int(value)
+    if n is None or n < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return n
 
 
 def index(name, value, size):
     """An int in [0, size) (numpy integers welcome), else a ValueError naming the argument and the range."""
-    if not isinstance(value, bool):
-        try:
-            n = operator.index(value)
-        except TypeError:
-            pass
-        else:
-            if 0 <= n < size:
-                return n
-    raise ValueError(f"{name} must be an int in [0, {size}), got {value!r}")
+    n = _int(value)
+    if n is None or not 0 <= n < size:
+        raise ValueError(f"{name} must be an int in [0, {size}), got {value!r}")
+    return n
 
 
 def flag(name, value):

@@ -243,7 +243,8 @@ def doctor(lock=LOCK, system=None):
             where = affects(name, direct, up, uses)
             print(f"  {name:<26} {have or 'missing':<14} lock {want:<12} may affect: {where}")
         pins = read_lock(lock)
-        unused = [n for n in pins if n not in _installed_names() and n not in {d[0] for d in diffs}]
+        installed, differing = _installed_names(), {d[0] for d in diffs}     # read once: each read parses every package's metadata
+        unused = [n for n in pins if n not in installed and n not in differing]
         if diffs:
             print(f"  {len(diffs)} of {len(pins)} differ. `make env` installs the locked versions; "
                   "a GPU machine may keep its own torch.")

@@ -1,14 +1,20 @@
-"""labkit.alloc: the caching-allocator model's rules, one by one, and its invariants under random traces."""
+"""labkit.alloc: the caching-allocator model's rules one by one (and the config PyTorch's parser refuses), its
+invariants under random traces, the package's shape, and notebook 05's textbook allocators."""
 import copy
+import pathlib
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from labkit.alloc import (Allocator, Config, allocation_size, parse_conf, replay, round_size,
-                          smallest_device)
+import labkit as lk
+from labkit import alloc
+from labkit.alloc import (Allocator, BestFit, Buddy, Config, FirstFit, allocation_size, parse_conf, phases, replay,
+                          round_size, smallest_device)
 from labkit.units import KiB, MiB
+
+PACKAGE = pathlib.Path(alloc.__file__).parent
 
 
 # ---- configuration --------------------------------------------------------------------------------
@@ -38,6 +44,31 @@ def test_parse_conf_keys_values_and_errors():
     with pytest.raises(ValueError, match="nbytes must be"):
         Allocator().malloc(-1)
     assert parse_conf("release_lock_on_cudamalloc:True") == Config(text="release_lock_on_cudamalloc:True")
+
+
+@pytest.mark.parametrize("conf, says", [
+    ("large_segment_size_mb:10", "large_segment_size_mb must be > 10 MB, got 10"),
+    ("large_segment_size_mb:4", "large_segment_size_mb must be > 10 MB, got 4"),
+    ("max_split_size_mb:30,large_segment_size_mb:40", r"max_split_size_mb too small, must be >= 40 \(large_segment_size_mb\), got 30"),
+    ("large_segment_size_mb:40,max_non_split_rounding_mb:30", "max_non_split_rounding_mb too small, must be >= 40"),
+    ("max_non_split_rounding_mb:19", "max_non_split_rounding_mb too small, must be >= 20"),
+    ("roundup_power2_divisions:0", "roundup_power2_divisions must be a power of 2 .*got 0"),
+    ("max_split_size_mb:[64]", r"max_split_size_mb must be an integer, got \[64\]"),
+    ("large_segment_size_mb:[64]", r"large_segment_size_mb must be an integer, got \[64\]"),
+    ("per_process_memory_fraction:abc", "per_process_memory_fraction must be a number, got 'abc'"),
+])
+def test_the_parser_refuses_what_pytorch_refuses(conf, says):
+    with pytest.raises(ValueError, match=says):
+        parse_conf(conf)
+
+
+def test_large_segments_set_the_floor_and_the_default_rounding():
+    c = parse_conf("max_split_size_mb:32,large_segment_size_mb:32")     # order does not matter: read first
+    assert (c.large_segment_size, c.max_split_size, c.max_non_split_rounding) == (32 * MiB, 32 * MiB, 32 * MiB)
+    assert parse_conf("roundup_power2_divisions:[256:0,>:4]").roundup_power2_divisions[8] == 0   # 0 inside [...]
+    a = Allocator("large_segment_size_mb:11")
+    a.malloc(2 * MiB)                                   # a large-pool request below 10 MiB: one 11 MiB segment
+    assert a.reserved == 11 * MiB
 
 
 def test_rounding_and_segment_sizes():
@@ -81,6 +112,16 @@ def test_best_fit_takes_the_smallest_block_that_holds_the_request():
     a.check()
 
 
+def test_find_free_block_is_best_fit_and_takes_the_block_out_of_the_pool():
+    a = Allocator(history=False)
+    for size, addr in ((30 * MiB, 3 << 30), (24 * MiB, 2 << 30), (24 * MiB, 1 << 30)):
+        a.large.add(alloc.Block(addr, size, small=False))
+    got = a.find_free_block(a.large, 22 * MiB)
+    assert (got.size, got.ptr) == (24 * MiB, 1 << 30), "the smallest that fits, the lowest address on a tie"
+    assert [b.ptr for _, _, b in a.large.blocks] == [2 << 30, 3 << 30]
+    assert a.find_free_block(a.large, 40 * MiB) is None
+
+
 def test_free_coalesces_neighbours_and_empty_cache_keeps_segments_with_live_blocks():
     a = Allocator()
     blocks = [a.malloc(4 * MiB) for _ in range(4)]              # one 20 MiB segment, 4 MiB left over
@@ -109,6 +150,13 @@ def test_max_split_size_keeps_oversize_blocks_whole_and_for_large_requests():
     assert d.ptr != b.ptr
 
 
+def test_max_split_size_keeps_oversize_blocks_from_small_requests():
+    a = Allocator("max_split_size_mb:128", history=False)
+    a.large.add(alloc.Block(1 << 30, 200 * MiB, small=False))
+    assert a.find_free_block(a.large, 30 * MiB) is None, "an oversize block is not handed to a smaller request"
+    assert a.find_free_block(a.large, 190 * MiB).size == 200 * MiB, "within max_non_split_rounding (20 MiB)"
+
+
 def test_out_of_memory_path_frees_cached_segments_then_retries():
     a = Allocator(device=100 * MiB)
     x = a.malloc(60 * MiB)
@@ -119,6 +167,14 @@ def test_out_of_memory_path_frees_cached_segments_then_retries():
         a.malloc(40 * MiB)
     assert a.ooms == 1 and a.allocated == y.size
     a.check()
+
+
+def test_an_oom_trace_entry_records_the_rounded_size():
+    a = Allocator(device=20 * MiB, history=True)
+    with pytest.raises(torch.OutOfMemoryError):
+        a.malloc(30 * MiB + 1)
+    oom = [e for e in a.snapshot()["device_traces"][0] if e["action"] == "oom"]
+    assert [e["size"] for e in oom] == [30 * MiB + 512]
 
 
 def test_garbage_collection_threshold_frees_old_segments_before_the_limit():
@@ -139,6 +195,16 @@ def test_garbage_collection_threshold_frees_old_segments_before_the_limit():
     assert plain.retries >= 1 and gc.retries == 0
     assert gc.peak_reserved < plain.peak_reserved
     assert gc.allocator.gc_runs >= 1
+
+
+def test_gc_runs_only_under_a_fraction_below_one_on_the_phases_trace():
+    trace = phases(500 * MiB)
+    default = replay(trace, "", device=500 * MiB)
+    at_one = replay(trace, "garbage_collection_threshold:0.5", device=500 * MiB, fraction=1.0)
+    below = replay(trace, "garbage_collection_threshold:0.5", device=500 * MiB, fraction=0.999)
+    assert at_one.allocator.gc_runs == 0
+    assert (at_one.peak_reserved, at_one.retries) == (default.peak_reserved, default.retries)
+    assert below.allocator.gc_runs >= 1 and below.peak_reserved < default.peak_reserved and below.retries == 0
 
 
 def test_memory_fraction_fails_early():
@@ -215,6 +281,79 @@ def test_replay_work_is_one_search_per_allocation_and_smallest_device_bisects():
     small = [(k, n) for k, n in trace[:2000]]
     dev = smallest_device(small, "")
     assert replay(small, "", device=dev).ok and not replay(small, "", device=dev - 2 * MiB).ok
+
+
+@pytest.mark.parametrize("trace, err, says", [
+    (None, TypeError, "trace must be a list of .* got NoneType"),
+    ([1, 2], ValueError, r"trace\[0\] must be a \(key, nbytes, ...\) tuple, got 1"),
+    ([("a", 10), ("a",)], ValueError, r"trace\[1\] must be a \(key, nbytes, ...\) tuple"),
+    ([("a", "10")], ValueError, r"trace\[0\] nbytes must be an int .* got '10'"),
+    ([("a", 1.5)], ValueError, r"trace\[0\] nbytes must be an int .* got 1.5"),
+])
+def test_a_bad_trace_is_refused_naming_the_entry(trace, err, says):
+    with pytest.raises(err, match=says):
+        replay(trace)
+
+
+# ---- the package --------------------------------------------------------------------------------
+def test_each_module_is_under_500_lines_and_cites_no_file_a_user_lacks():
+    modules = sorted(PACKAGE.glob("*.py"))
+    assert {p.name for p in modules} >= {"__init__.py", "config.py", "caching.py", "trace_replay.py", "textbook.py"}
+    for path in modules:
+        text = path.read_text()
+        assert len(text.splitlines()) <= 500, f"{path.name}: {len(text.splitlines())} lines"
+        assert "ALLOCATOR.md" not in text and "shared/" not in text, f"{path.name} cites a file users do not have"
+
+
+def test_the_package_exports_every_name_of_its_all():
+    for name in alloc.__all__:
+        assert hasattr(alloc, name), name
+    assert callable(lk.alloc.replay)
+    assert alloc.K_SMALL_SIZE == MiB and alloc.Config().large_segment_size == 20 * MiB
+    assert all(m.__name__.startswith("labkit.alloc.") for m in alloc.MODULES)
+
+
+# ---- notebook 05's textbook allocators ------------------------------------------------------------
+def test_first_fit_takes_the_first_hole_and_best_fit_the_smallest():
+    trace = [("a", 4096), ("gap1", 8192), ("b", 512), ("gap2", 2048), ("c", 512),
+             ("gap1", -8192), ("gap2", -2048), ("new", 1024)]
+    ff, bf = FirstFit().replay(trace), BestFit().replay(trace)
+    assert ff.live["new"][0] == 4096, "first fit: the first hole in address order (8 KiB at 4096)"
+    assert bf.live["new"][0] == 4096 + 8192 + 512, "best fit: the smallest hole that fits (2 KiB)"
+    assert ff.footprint == bf.footprint == 4096 + 8192 + 512 + 2048 + 512
+    assert bf.looked >= ff.looked
+
+
+def test_arena_merges_holes_and_shrinks_at_the_top():
+    a = FirstFit().replay([("x", 1000), ("y", 1000), ("z", 1000), ("y", -1), ("x", -1)])
+    assert a.holes == [(0, 2048)], "two neighbouring holes merge into one"
+    a.free("z")
+    assert a.holes == [] and a.top == 0 and a.held == 0 and a.footprint == 3 * 1024
+
+
+def test_buddy_rounds_to_powers_of_two_and_merges_buddies():
+    b = Buddy().replay([("a", 600), ("b", 3000)])
+    assert b.live["a"] == (0, 10) and b.held == 1024 + 4096 and b.peak_held == 5120
+    assert b.footprint == 4096 + 4096, "the 4 KiB block sits at the next 4 KiB boundary"
+    b.free("a")
+    b.free("b")
+    assert b.free_at[b.order] == {0}, "everything merges back into the one whole block"
+
+
+def test_textbook_replay_frees_a_live_key_before_reallocating_it():
+    a = BestFit().replay([("k", 2048), ("k", 4096)])
+    assert a.held == 4096 and list(a.live) == ["k"]
+
+
+@pytest.mark.parametrize("cls", [FirstFit, BestFit, Buddy])
+def test_footprint_is_at_least_the_live_peak(cls):
+    trace = alloc.growing_batch(layers=4, batches=(1, 2, 3), per_sample=MiB)
+    live = peak = 0
+    for _, n, _ in trace:
+        live += n
+        peak = max(peak, live)
+    a = cls().replay(trace)
+    assert a.footprint >= a.peak_held >= peak
 
 
 # ---- invariants, property-tested ------------------------------------------------------------------

@@ -1,4 +1,10 @@
-"""labkit.engines: the engines run in their own processes, agree with eager, and skip what is absent."""
+"""labkit.engines: the engines run in their own processes, agree with eager, and skip what is absent; bad engine
+lists and arguments are refused before any work; each run has a folder of its own and the malloc it was told
+(notebook 11's page faults, counted, never timed)."""
+import pathlib
+import subprocess
+import tempfile
+
 import numpy as np
 import pytest
 import torch
@@ -6,6 +12,14 @@ import torch
 import labkit as lk
 from labkit import engines
 from labkit.scripts import engine_run
+
+
+@pytest.fixture
+def no_subprocess(monkeypatch):
+    """Any engine process started fails the test: the refusals must come before the first run."""
+    def refuse(*a, **k):
+        raise AssertionError("an engine ran before the arguments were checked")
+    monkeypatch.setattr(subprocess, "run", refuse)
 
 
 def test_batch_norms_carry_statistics_as_a_trained_network_does():
@@ -161,6 +175,45 @@ def test_bad_input_names_the_argument():
         engines.run("onnxruntime", fp16=True)
 
 
+@pytest.mark.parametrize("bad, err, says", [
+    ("onnxruntime", TypeError, r"engines must be a list of engine names .* got 'onnxruntime'"),
+    (["eager", "onnxrutime"], ValueError, r"engine must be one of .* got 'onnxrutime'"),
+    ([("inductor", "fast")], TypeError, r"each engine must be a name or a \(name, \{options\}\) pair, got \('inductor', 'fast'\)"),
+    ([("eager", {"speed": 2})], TypeError, "run\\(\\) has no option 'speed'"),
+    ([("onnxruntime", {"fp16": True})], ValueError, "onnxruntime runs the fp32 export, got fp16=True"),
+    ([3], TypeError, "each engine must be a name .* got 3"),
+])
+def test_bad_engines_are_refused_before_eager_runs(no_subprocess, bad, err, says):
+    with pytest.raises(err, match=says):
+        engines.compare(bad)
+
+
+def test_bad_run_arguments_are_refused_before_any_work(no_subprocess):
+    with pytest.raises(ValueError, match="model must be one of .* got 'resnet-9'"):
+        engines.compare(["eager"], model="resnet-9")
+    with pytest.raises(ValueError, match="engine must be one of .* got 'tensorrtt'"):
+        engines.run("tensorrtt")
+
+
+def test_malloc_mmap_threshold_is_checked_before_any_work(no_subprocess):
+    with pytest.raises(ValueError, match="malloc_mmap_threshold must be .*, got '64k'"):
+        engines.run("eager", malloc_mmap_threshold="64k")
+    with pytest.raises(ValueError, match="malloc_mmap_threshold must be .* got -1"):
+        engines.compare([("eager", {"malloc_mmap_threshold": -1})])
+
+
+def test_each_workdir_is_a_folder_of_its_own():
+    a, b = engines.workdir(), engines.workdir()
+    assert a != b and a.is_dir() and b.is_dir() and a.parent == pathlib.Path(tempfile.gettempdir())
+
+
+def test_run_without_a_workdir_leaves_no_folder_behind(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))      # a temp dir no other process writes to
+    r = engines.run("eager", repeat=1)
+    assert list(tmp_path.iterdir()) == []
+    assert r.ran and r.values.shape == (1, 1000) and r.output is None and r.artifact is None
+
+
 def test_peak_rss_can_be_reset():
     now, peak = engine_run.rss()
     assert 0 < now <= peak
@@ -188,6 +241,45 @@ def test_malloc_trim_gives_back_the_free_pages_malloc_keeps():
     after = engine_run.rss()[0]
     libc.free(blocks[-1])
     assert before - after > 20 * 2**20, f"RSS {before} -> {after}: malloc kept its free pages"
+
+
+@pytest.mark.parametrize("threshold", [None, 65536])
+def test_every_engine_runs_the_same_malloc_unless_told(monkeypatch, tmp_path, threshold):
+    """An MALLOC_MMAP_THRESHOLD_ the caller's shell set does not reach the engine's process (it would time one
+    engine under another malloc than the next); malloc_mmap_threshold sets it for that one run."""
+    seen = {}
+
+    def capture(args, env, **kwargs):
+        seen.update(env)
+        raise KeyboardInterrupt                     # stop before anything runs
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1234")
+    monkeypatch.setattr(subprocess, "run", capture)
+    with pytest.raises(KeyboardInterrupt):
+        engines.run("eager", workdir=tmp_path, malloc_mmap_threshold=threshold)
+    assert seen.get("MALLOC_MMAP_THRESHOLD_") == (None if threshold is None else str(threshold))
+    assert seen["OMP_NUM_THREADS"] == "1"
+
+
+def test_unmapping_every_freed_block_costs_eager_page_faults_on_every_call():
+    results = engines.compare(["eager", ("eager", {"malloc_mmap_threshold": 65536})], model="resnet-tiny",
+                              batch=4, image=128, repeat=3)
+    plain, unmapped = results["eager"], results["eager malloc_mmap_threshold=65536"]
+    assert plain.malloc_mmap_threshold is None and unmapped.malloc_mmap_threshold == 65536
+    # malloc's cache hands the same pages back call after call; unmapped, each large tensor is new pages
+    assert unmapped.minor_faults > 4 * max(plain.minor_faults, 3), (plain.minor_faults, unmapped.minor_faults)
+    assert unmapped.max_abs_diff == 0.0                   # the same arithmetic, another malloc
+
+
+def test_eager_faults_come_from_malloc_giving_its_heap_back(monkeypatch):
+    """Notebook 11 prints thousands of page faults per eager call at its default malloc: after each call the
+    freed tensors leave glibc's heap top free, past its trim threshold, and free() hands those pages back (and
+    blocks above the mmap threshold are unmapped). With neither (a 32 MiB mmap threshold, an unreachable trim
+    threshold) the same calls fault almost no pages."""
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    plain = engines.run("eager", model="resnet-tiny", batch=8, image=128, repeat=5)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(2**40))          # engines.run passes the environment on
+    kept = engines.run("eager", model="resnet-tiny", batch=8, image=128, repeat=5, malloc_mmap_threshold=2**25)
+    assert sorted(plain.faults)[2] > 200 and sorted(kept.faults)[2] < 50, (plain.faults, kept.faults)
 
 
 def test_no_codegen_backend_hands_over_the_backward_graph():

@@ -1,8 +1,20 @@
+"""lk.estimate on one device: the formulas against lk.track and published rows, recomputation, the configs it reads
+and the arguments it refuses, and the package's shape (layers of modules, the formulas without torch)."""
+import ast
+import importlib
+import json
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import labkit as lk
 from conftest import steady_step
+
+estimate_pkg = importlib.import_module("labkit.estimate")
+PACKAGE = pathlib.Path(estimate_pkg.__file__).parent
 
 
 @pytest.mark.parametrize("name", sorted(lk.models.PRESETS))
@@ -147,6 +159,19 @@ def test_bad_input(kwargs, message):
         lk.estimate("llama-2-7b", **kwargs)
 
 
+@pytest.mark.parametrize("name", ["training", "foreach", "grad_accum"])
+@pytest.mark.parametrize("bad", ["False", "True", 0, None])
+def test_flags_must_be_bools(name, bad):
+    with pytest.raises(ValueError, match=f"{name} must be True or False, got {bad!r}"):
+        lk.estimate("llama-2-7b", 1, 512, **{name: bad})
+
+
+def test_logits_to_keep_is_refused_in_training():
+    with pytest.raises(ValueError, match="logits_to_keep is for inference.*got logits_to_keep=1 with training=True"):
+        lk.estimate("llama-2-7b", 1, 512, logits_to_keep=1)
+    assert lk.estimate("llama-2-7b", 1, 512, training=False, logits_to_keep=0).total > 0
+
+
 def test_numpy_integers_and_long_sequences():
     import numpy as np
     assert lk.estimate("llama-2-7b", np.int64(2), np.int32(128)).total == lk.estimate("llama-2-7b", 2, 128).total
@@ -176,12 +201,43 @@ def test_config_json_path(tmp_path):
         lk.estimate(str(tmp_path / "missing" / "config.json"))
 
 
+@pytest.mark.parametrize("field, value", [("hidden_size", -64), ("num_attention_heads", 0),
+                                          ("num_hidden_layers", 0), ("vocab_size", -1), ("intermediate_size", 1.5)])
+def test_a_config_with_a_size_below_one_is_refused_naming_the_field(tmp_path, field, value):
+    data = json.loads(lk.models.config("llama-2-7b", "tiny").to_json_string())
+    data[field] = value
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=rf"config {field} must be an int >= 1, got {value!r}"):
+        lk.estimate(str(path), 1, 64)
+
+
+@pytest.mark.parametrize("text, says", [("{not json", "is not valid JSON: Expecting property name"),
+                                        ("[1, 2]", "must hold a JSON object, got list"),
+                                        ("42", "must hold a JSON object, got int"),
+                                        ('{"hidden_size": 64}', "has no 'model_type'")])
+def test_a_bad_config_json_names_the_file(tmp_path, text, says):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"config file '{path}'.*{says}"):
+        lk.estimate(str(path))
+    with pytest.raises(ValueError, match=says):
+        lk.estimate(tmp_path)                     # the folder holding it
+
+
 def test_bad_config():
     with pytest.raises(TypeError, match="config must be"):
         lk.estimate(42)
     with pytest.raises(ValueError, match="config 'llama-9-1t' is neither a preset, a family nor an existing path"):
         lk.estimate("llama-9-1t")
 
+
+def test_missing_paths_and_unknown_names_list_presets_and_families(tmp_path):
+    for where in (str(tmp_path / "nowhere" / "config.json"), tmp_path / "nowhere", "models/mine.json"):
+        with pytest.raises(FileNotFoundError, match=r"does not exist\. Presets: .*llama-2-7b.* Families: .*qwen2-7b"):
+            lk.estimate(where)
+    with pytest.raises(ValueError, match=r"config 'qwen-9b' is neither a preset.*Families: .*mixtral-8x7b"):
+        lk.estimate("qwen-9b")
 
 
 def test_table_and_cli(capsys):
@@ -224,3 +280,57 @@ def test_recompute_estimate_against_transformers_checkpointing():
 def test_recompute_bad_input():
     with pytest.raises(ValueError, match="recompute must be True, False, 'selective' or a segment length >= 1, got 0"):
         lk.estimate("llama-2-7b", recompute=0)
+
+
+# ---- the package: each module imports only those below it, the formulas need no torch ------------------
+# each module imports only the ones after it in this list (the arrows point down)
+LAYERS = ["__init__", "measured", "fake", "step", "formulas", "params", "levers", "sharding", "config"]
+NO_TORCH = """
+import importlib, sys, types
+root = {root!r}
+for name, path in (("labkit", root), ("labkit.estimate", root + "/estimate")):
+    package = types.ModuleType(name)
+    package.__path__ = [path]          # a bare package: labkit/__init__.py (which imports torch) is not run
+    sys.modules[name] = package
+formulas = importlib.import_module("labkit.estimate.formulas")
+sharding = importlib.import_module("labkit.estimate.sharding")
+assert formulas.korthikanti_bytes(4096, 32, 2048) > 0
+assert sharding.Parallel(dp=8, zero=3).world == 8
+heavy = sorted(m for m in ("torch", "transformers", "numpy") if m in sys.modules)
+assert not heavy, heavy
+"""
+
+
+def test_importing_the_formulas_and_the_sharding_does_not_import_torch():
+    code = NO_TORCH.format(root=str(PACKAGE.parent))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def _imports(path):
+    """The labkit.estimate modules that `path` imports (at any depth of its code)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found.add((node.module or "").split(".")[0])
+    return found - {""}
+
+
+def test_each_module_imports_only_modules_below_it():
+    assert sorted(p.stem for p in PACKAGE.glob("*.py")) == sorted(LAYERS)
+    for i, name in enumerate(LAYERS):
+        imported = _imports(PACKAGE / f"{name}.py")
+        above = imported & set(LAYERS[:i + 1])
+        assert not above, f"{name}.py imports {sorted(above)}, which sit above it (or is itself)"
+
+
+def test_no_module_is_over_500_lines():
+    for path in PACKAGE.glob("*.py"):
+        assert len(path.read_text().splitlines()) <= 500, path.name
+
+
+def test_the_public_api_lists_and_exports_its_names():
+    for name in ("estimate", "Estimate", "Parallel", "param_count", "kv_cache_bytes", "kv_capacity",
+                 "korthikanti_bytes", "model_states", "measured", "activation_bytes_per_token", "load_config",
+                 "DTYPES", "OPTIMIZERS", "FAMILIES", "ZERO_STAGES"):
+        assert name in estimate_pkg.__all__ and hasattr(estimate_pkg, name), name

@@ -10,6 +10,7 @@ import functools
 import numpy as np
 import pytest
 import torch
+import transformers as tf
 
 import labkit as lk
 from labkit.estimate import measured
@@ -214,6 +215,48 @@ def test_the_fake_path_equals_a_plain_training_loop_to_the_byte(name):
     assert est.parts["activations"] == mem.at("forward end")["activations"]
 
 
+def _qwen3_8b_shape():
+    """Qwen3-8B's head layout (32 query heads, 8 KV heads), narrowed: 2 layers, head_dim 8, vocab 2048."""
+    return tf.Qwen3Config(hidden_size=256, num_attention_heads=32, num_key_value_heads=8, head_dim=8,
+                          intermediate_size=768, vocab_size=2048, num_hidden_layers=2, max_position_embeddings=4096,
+                          tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("seq", [64, 2048])
+def test_the_fake_path_is_exact_on_grouped_kv_at_tiny_and_2k_tokens(seq):
+    """Qwen3 has no formula: the fake step equals a real CPU step to the byte. Without the patch of
+    transformers' packed-sequence detection it over-counted by 21.5% at 2048 tokens (a (b,1,s,s) mask per
+    layer and K/V expanded to all heads); at 64 tokens the peak is the optimizer step, where the same
+    fault moved only the activations. Broken once: with the patch removed, 2048 tokens fails."""
+    cfg = _qwen3_8b_shape()
+    est = lk.estimate(cfg, 1, seq, "fp32", "adamw")
+    first, steady = measured(cfg, 1, seq, "fp32", "adamw")
+    assert est.method == "fake"
+    assert est.steady == steady.peak
+    # The first step: AdamW's 25 4-byte `step` counters are born at a different moment on fake tensors.
+    assert abs(est.first_step - first.peak) <= 25 * 4
+    assert est.parts["activations"] == steady.at("forward end")["activations"]
+
+
+def test_the_fake_path_takes_mixed_and_grad_accum_and_adds_their_states_by_formula():
+    """Qwen3 (no formula): "mixed" is measured in bf16, then the optimizer state becomes 12 bytes/param
+    (fp32 master weights + Adam) in place of bf16 AdamW's 4; grad_accum adds 4 bytes/param of fp32 buffer
+    to every moment. The README's ZeRO example then runs for any family."""
+    cfg = _qwen3_8b_shape()
+    bf16 = lk.estimate(cfg, 1, 64, "bf16", "adamw")
+    mixed = lk.estimate(cfg, 1, 64, "mixed", "adamw", grad_accum=True)
+    P = bf16.params
+    assert mixed.method == "fake" and "added by formula" in mixed.notes[-1]
+    assert mixed.parts["optimizer"] - bf16.parts["optimizer"] == (12 - 4) * P
+    assert mixed.parts["gradients"] - bf16.parts["gradients"] == 4 * P
+    assert mixed.steady - bf16.steady == (12 - 4 + 4) * P
+    rank = lk.estimate(cfg, 1, 64, "mixed", "adamw", dp=8, zero=3, tp=2)
+    # per rank: the state (with AdamW's measured step counters) over dp x tp = 16 ranks
+    assert rank.method == "fake" and rank.parts["optimizer"] == -(-(bf16.parts["optimizer"] + 8 * P) // 16)
+    with pytest.raises(ValueError, match="no fake-tensor measurement for optimizer 'adamw-8bit'"):
+        lk.estimate(cfg, 1, 64, "bf16", "adamw-8bit")
+
+
 def test_clip_is_refused_with_advice_that_works():
     """lk.estimate covers language models. CLIP's error advised `config.text_config`, which then failed in every
     mode (a bare text encoder has no loss and no logits): both are refused before any work, and the advice they
@@ -236,3 +279,9 @@ def test_clip_is_refused_with_advice_that_works():
     with torch.no_grad(), lk.track(text_tower) as mem:
         text_tower(input_ids=ids)
     assert mem.max_parts["activations"] > 0
+
+
+@pytest.mark.parametrize("cfg", [tf.ViTConfig(), tf.CLIPConfig()])
+def test_a_vision_config_is_refused_clearly(cfg):
+    with pytest.raises(ValueError, match=rf"model_type '{cfg.model_type}' has no vocab_size: lk.estimate covers language models"):
+        lk.estimate(cfg)

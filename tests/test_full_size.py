@@ -15,7 +15,6 @@ real tensor bytes alive (those made before the cell and those it makes; fake and
 memory, and numpy buffers are the host): no cell may hold more than the largest FULL_STEPS entry, evaluated at
 tiny size, allows.
 """
-import concurrent.futures
 import json
 import os
 import pathlib
@@ -30,55 +29,63 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 GiB = 2**30
 
-# Runs in the child: the parameters cell at full size (labkit.scripts.gpu_smoke.full_steps, which
-# `make gpu-smoke` uses to run the same steps on a GPU), then each step's bytes. Prints one
-# "FULL_PLAN {json}" line; whatever the cell prints itself comes before it.
-_CHILD = r'''
+# Runs in the child, for each notebook named on its command line: the parameters cell at full size
+# (labkit.scripts.gpu_smoke.full_steps, which `make gpu-smoke` uses to run the same steps on a GPU), then each
+# step's bytes. Prints one "FULL_PLAN {json}" line per notebook; whatever a cell prints itself comes before it.
+# One process for all of them: importing torch and transformers once, not once per notebook.
+_CHILD = r"""
 import json, sys, traceback
-def done(**out):
-    print("FULL_PLAN " + json.dumps(out), flush=True)
-    sys.exit(0)
 from labkit.scripts.gpu_smoke import NoPlan, full_steps
-try:
-    steps = full_steps(sys.argv[1])
-except NoPlan as e:
-    done(error=str(e))
-except BaseException:
-    done(error="its parameters cell raised at LABKIT_SIZE=full:\n" + traceback.format_exc(limit=-3))
 import labkit as lk
 from labkit.estimate import full_step
-out = {}
-for name, kw in steps.items():
-    try:
-        step = full_step(kw)                       # the entry read as gpu-smoke reads it
-        extra = sum(step["beside"].values())
-        if step["bytes"] is not None:
-            out[str(name)] = dict(bytes=step["bytes"] + extra, how="given")
-        else:
-            out[str(name)] = dict(bytes=int(lk.estimate(**{**step["estimate"], "device": "cuda"}).total) + extra,
-                                  how="estimated")
-        if step["beside"]:
-            out[str(name)]["how"] += " + " + ", ".join(step["beside"])
-    except Exception as e:
-        out[str(name)] = dict(error=f"{type(e).__name__}: {e}")
-done(steps=out)
-'''
-
 
 def plan(notebook):
-    """The notebook's full-size steps, as the child process reports them (or {"error": why})."""
+    try:
+        steps = full_steps(notebook)
+    except NoPlan as e:
+        return dict(error=str(e))
+    except BaseException:
+        return dict(error="its parameters cell raised at LABKIT_SIZE=full:\n" + traceback.format_exc(limit=-3))
+    out = {}
+    for name, kw in steps.items():
+        try:
+            step = full_step(kw)                       # the entry read as gpu-smoke reads it
+            extra = sum(step["beside"].values())
+            if step["bytes"] is not None:
+                out[str(name)] = dict(bytes=step["bytes"] + extra, how="given")
+            else:
+                out[str(name)] = dict(bytes=int(lk.estimate(**{**step["estimate"], "device": "cuda"}).total) + extra,
+                                      how="estimated")
+            if step["beside"]:
+                out[str(name)]["how"] += " + " + ", ".join(step["beside"])
+        except Exception as e:
+            out[str(name)] = dict(error=f"{type(e).__name__}: {e}")
+    return dict(steps=out)
+
+for i, notebook in enumerate(sys.argv[1:]):
+    print(f"FULL_PLAN {i} " + json.dumps(plan(notebook)), flush=True)
+"""
+
+
+def plans_of(notebooks):
+    """Each notebook's full-size steps, as one child process reports them (or {"error": why} for a notebook)."""
     env = {**os.environ, "LABKIT_SIZE": "full", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    timeout = 60 + 60 * len(notebooks)
     try:
-        run = subprocess.run([sys.executable, "-c", _CHILD, str(notebook)], cwd=pathlib.Path(notebook).parent,
-                             env=env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        return dict(error="its parameters cell and estimates took over 300 s (they must be cheap: configs only)")
-    lines = [line for line in run.stdout.splitlines() if line.startswith("FULL_PLAN ")]
-    if not lines:
-        return dict(error=f"the child process died (exit {run.returncode}):\n{run.stderr[-3000:]}")
-    return json.loads(lines[-1][len("FULL_PLAN "):])
+        run = subprocess.run([sys.executable, "-c", _CHILD, *map(str, notebooks)], cwd=ROOT / "notebooks",
+                             env=env, capture_output=True, text=True, timeout=timeout)
+        stdout, died = run.stdout, f"the child process died (exit {run.returncode}):\n{run.stderr[-3000:]}"
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        died = f"the parameters cells and estimates took over {timeout} s in all (they must be cheap: configs only)"
+    found = {}
+    for line in stdout.splitlines():
+        if line.startswith("FULL_PLAN "):
+            i, result = line[len("FULL_PLAN "):].split(" ", 1)
+            found[int(i)] = json.loads(result)
+    return [found.get(i, dict(error=died)) for i in range(len(notebooks))]
 
 
 def problems(notebook, result):
@@ -104,9 +111,8 @@ class _Plans(dict):
 
 @pytest.fixture(scope="module")
 def plans():
-    """Every notebook's plan, computed once, a few processes at a time (each imports torch: seconds)."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        return _Plans(zip(NOTEBOOKS, pool.map(plan, NOTEBOOKS)))
+    """Every notebook's plan, computed once, in one process."""
+    return _Plans(zip(NOTEBOOKS, plans_of(NOTEBOOKS)))
 
 
 def test_there_are_notebooks_to_check():
@@ -121,29 +127,48 @@ def test_every_full_size_step_fits_a_24_gib_card(notebook, plans):
 
 # The checker itself, on toy notebooks: it must catch a step over budget and a notebook without a plan.
 
-def _toy(tmp_path, source, tagged=True):
+TOYS = {   # name: (the parameters cell, tagged `parameters`)
+    "over budget": ("import labkit as lk\nSIZE = lk.size()\nFULL_STEPS = {\n"
+                    "    'fits': dict(bytes='20 GiB'),\n"
+                    "    'naive attention': dict(bytes=23 * 2**30),\n"
+                    "    'training step': dict(config='llama-2-7b', batch=1, seq=512, dtype='fp32', optimizer='adamw'),\n"
+                    "    'small step': dict(config='gpt2-124m', batch=1, seq=128, dtype='bf16', optimizer='adamw'),\n"
+                    "}\nassert SIZE == 'full'\n", True),
+    "no plan": ("BATCH = 4\n", True),
+    "untagged": ("FULL_STEPS = {'x': dict(bytes=1)}\n", False),
+    "own headroom": ("FULL_STEPS = {'x': dict(bytes=1, batch=2), 'y': dict(config='gpt2-124m', batchh=2)}\n"
+                     "HEADROOM = 0.2\n", True),
+    "bad entries": ("FULL_STEPS = {'x': dict(bytes=1, batch=2), 'y': dict(config='gpt2-124m', batchh=2)}\n", True),
+    "raises": ("raise RuntimeError('boom')\n", True),
+    "beside": ("FULL_STEPS = {'step': dict(bytes='15 GiB', beside={'a second model': '4 GiB', "
+               "'its gradients': 4 * 2**30}), 'small': dict(bytes='1 GiB', beside={})}\n", True),
+}
+
+
+def _toy(folder, source, tagged=True):
     import nbformat
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell(source)
     if tagged:
         cell.metadata["tags"] = ["parameters"]
     nb.cells = [nbformat.v4.new_markdown_cell("# toy"), cell, nbformat.v4.new_code_cell("print('later')")]
-    path = tmp_path / "99_toy.ipynb"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "99_toy.ipynb"
     nbformat.write(nb, path)
     return path
 
 
-def test_a_step_over_budget_is_named_with_its_gib_and_the_limit(tmp_path):
+@pytest.fixture(scope="module")
+def toys(tmp_path_factory):
+    """What the checker finds in each toy notebook of TOYS (one child process for all of them)."""
+    root = tmp_path_factory.mktemp("toys")
+    paths = [_toy(root / str(i), source, tagged) for i, (source, tagged) in enumerate(TOYS.values())]
+    return {name: problems("99_toy.ipynb", result) for name, result in zip(TOYS, plans_of(paths))}
+
+
+def test_a_step_over_budget_is_named_with_its_gib_and_the_limit(toys):
     """The 7B fp32 AdamW step is about 4 x 4 x 6.7e9 bytes = 100 GiB of states alone: far over 21.6 GiB."""
-    path = _toy(tmp_path, "import labkit as lk\nSIZE = lk.size()\nFULL_STEPS = {\n"
-                          "    'fits': dict(bytes='20 GiB'),\n"
-                          "    'naive attention': dict(bytes=23 * 2**30),\n"
-                          "    'training step': dict(config='llama-2-7b', batch=1, seq=512, dtype='fp32', optimizer='adamw'),\n"
-                          "    'small step': dict(config='gpt2-124m', batch=1, seq=128, dtype='bf16', optimizer='adamw'),\n"
-                          "}\nassert SIZE == 'full'\n")
-    result = plan(path)
-    assert set(result["steps"]) == {"fits", "naive attention", "training step", "small step"}
-    found = problems(path, result)
+    found = toys["over budget"]
     assert len(found) == 2, found
     assert found[0] == ("99_toy.ipynb: step 'naive attention' needs 23.0 GiB (given), over the 21.6 GiB limit "
                         "(24 GiB with HEADROOM 0.1 left free)")
@@ -151,34 +176,25 @@ def test_a_step_over_budget_is_named_with_its_gib_and_the_limit(tmp_path):
     assert float(found[1].split(" needs ")[1].split(" GiB")[0]) > 100
 
 
-def test_a_notebook_without_a_plan_fails_with_a_clear_message(tmp_path):
-    found = problems("99_toy.ipynb", plan(_toy(tmp_path, "BATCH = 4\n")))
-    assert found == ["99_toy.ipynb: its parameters cell does not define FULL_STEPS (contract 1: FULL_STEPS = "
-                     "{step: lk.estimate keywords or dict(bytes=...)})"]
-    found = problems("99_toy.ipynb", plan(_toy(tmp_path, "FULL_STEPS = {'x': dict(bytes=1)}\n", tagged=False)))
-    assert found == ["99_toy.ipynb: its first code cell is not tagged `parameters`"]
+def test_a_notebook_without_a_plan_fails_with_a_clear_message(toys):
+    assert toys["no plan"] == ["99_toy.ipynb: its parameters cell does not define FULL_STEPS (contract 1: FULL_STEPS = "
+                               "{step: lk.estimate keywords or dict(bytes=...)})"]
+    assert toys["untagged"] == ["99_toy.ipynb: its first code cell is not tagged `parameters`"]
 
 
-def test_bad_entries_and_a_raising_cell_are_reported_not_skipped(tmp_path):
-    found = problems("99_toy.ipynb", plan(_toy(tmp_path, "FULL_STEPS = {'x': dict(bytes=1, batch=2), "
-                                                         "'y': dict(config='gpt2-124m', batchh=2)}\nHEADROOM = 0.2\n")))
-    assert found == ["99_toy.ipynb: its parameters cell sets HEADROOM = 0.2: the headroom is labkit's "
-                     "(lk.HEADROOM = 0.1), the same for every notebook"]
-    found = problems("99_toy.ipynb", plan(_toy(tmp_path, "FULL_STEPS = {'x': dict(bytes=1, batch=2), "
-                                                         "'y': dict(config='gpt2-124m', batchh=2)}\n")))
+def test_bad_entries_and_a_raising_cell_are_reported_not_skipped(toys):
+    assert toys["own headroom"] == ["99_toy.ipynb: its parameters cell sets HEADROOM = 0.2: the headroom is labkit's "
+                                    "(lk.HEADROOM = 0.1), the same for every notebook"]
+    found = toys["bad entries"]
     assert len(found) == 2 and "an entry with bytes holds nothing else" in found[0]
     assert "'y' could not be estimated: TypeError" in found[1] and "batchh" in found[1]
-    found = problems("99_toy.ipynb", plan(_toy(tmp_path, "raise RuntimeError('boom')\n")))
+    found = toys["raises"]
     assert len(found) == 1 and "raised at LABKIT_SIZE=full" in found[0] and "RuntimeError: boom" in found[0]
 
 
-def test_what_stays_alive_beside_a_step_counts_against_the_card(tmp_path):
-    path = _toy(tmp_path, "FULL_STEPS = {'step': dict(bytes='15 GiB', beside={'a second model': '4 GiB', "
-                          "'its gradients': 4 * 2**30}), 'small': dict(bytes='1 GiB', beside={})}\n")
-    result = plan(path)
-    found = problems(path, result)
-    assert found == ["99_toy.ipynb: step 'step' needs 23.0 GiB (given + a second model, its gradients), over the "
-                     "21.6 GiB limit (24 GiB with HEADROOM 0.1 left free)"]
+def test_what_stays_alive_beside_a_step_counts_against_the_card(toys):
+    assert toys["beside"] == ["99_toy.ipynb: step 'step' needs 23.0 GiB (given + a second model, its gradients), over "
+                              "the 21.6 GiB limit (24 GiB with HEADROOM 0.1 left free)"]
 
 
 # ---- what each cell keeps alive, measured at tiny size ------------------------------------------------

@@ -1,8 +1,8 @@
 """`make gpu-smoke` and validate_allocator, tested on a CPU up to where they need CUDA.
 
-What runs here: the exit-2 path without a GPU, the record writer, the check registry, the worker protocol
-with its deadlines (toy checks that succeed, overrun, raise, skip and die), the pure-Python parts of the
-checks, tests/test_gpu.py read through its junit report, and validate_allocator's parent/child protocol
+What runs here: the exit-2 path without a GPU or with bad arguments, the record writer, the check registry,
+the worker protocol with its deadlines (toy checks that succeed, overrun, raise, skip and die), the pure-Python
+parts of the checks, tests/test_gpu.py read through its junit report, and validate_allocator's parent/child protocol
 with children that are the model itself (and one that raises).
 """
 import json
@@ -41,6 +41,50 @@ def test_validate_allocator_without_cuda_exits_2(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert va.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+# ---- bad arguments: exit status 2 and a message naming the flag and the value, before CUDA is asked ---------
+@pytest.mark.parametrize("argv, says", [
+    (["--budget", "0"], "--budget must be a positive number of seconds, got 0.0"),
+    (["--budget", "-1"], "--budget must be a positive number of seconds, got -1.0"),
+    (["--budget", "nan"], "--budget must be a positive number of seconds, got nan"),
+    (["--only", "flash,nope"], "--only names unknown checks ['nope']"),
+    (["--only", ","], "--only must name checks"),
+])
+def test_gpu_smoke_refuses_bad_arguments_before_looking_for_cuda(argv, says, capsys, monkeypatch):
+    monkeypatch.setattr(smoke, "cuda_env", lambda: pytest.fail("CUDA was asked about before the arguments"))
+    with pytest.raises(SystemExit) as e:
+        smoke.main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_gpu_smoke_refuses_an_out_folder_it_cannot_write(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(smoke, "cuda_env", lambda: pytest.fail("CUDA was asked about before the arguments"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for out, says in ((blocker, "it is a file, not a folder"), (blocker / "sub", "is a file, not a folder")):
+        with pytest.raises(SystemExit) as e:
+            smoke.main(["--out", str(out)])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    assert records.unwritable(tmp_path / "new" / "deeper") is None and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--layers", "0"], "--layers must be a positive number of decoder layers, got 0"),
+    (["--jobs", "-2"], "--jobs must be a positive number of children at a time, got -2"),
+])
+def test_validate_allocator_refuses_bad_counts(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        va.main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_validate_allocator_refuses_an_out_path_it_cannot_write_before_the_gpu_run(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as e:
+        va.main(["--out", str(blocker / "x.json")])
+    assert e.value.code == 2 and "--out" in capsys.readouterr().err
 
 
 # ---- the registry ---------------------------------------------------------------------------------

@@ -1,3 +1,5 @@
+"""lk.oom_guard and lk.budget: an out-of-memory error caught, partial gradients cleared, the names that keep a graph
+alive said, memory back where it was; and lk.requires, lk.free."""
 import pytest
 import torch
 
@@ -86,6 +88,24 @@ def test_oom_guard_clears_partial_grads_of_what_it_was_given(capsys):
     assert "parameters may hold partial .grads" in capsys.readouterr().out
 
 
+def test_oom_guard_given_a_generator_of_parameters_clears_their_partial_grads():
+    model, _ = _two_layers()
+    with lk.oom_guard(model.parameters(), quiet=True) as guard:
+        h = model[0](torch.randn(4, 8))
+        h.register_hook(_oom)
+        model[1](h).sum().backward()
+    assert guard.oom and guard.cleared == 2
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("bad", [iter([1, 2]), (x for x in "ab")])
+def test_an_iterator_of_something_else_is_refused_naming_what_it_held(bad):
+    with pytest.raises(TypeError, match=r"oom_guard\(\) argument 0 is an iterator of (int|str)"):
+        lk.oom_guard(bad)
+    with pytest.raises(TypeError, match=r"track\(\) argument 0 is an iterator of"):
+        lk.track(iter([1.5]))
+
+
 def test_oom_guard_catches_a_real_cpu_allocation_failure_and_is_reusable():
     guard = lk.oom_guard(quiet=True)
     with guard:
@@ -151,6 +171,24 @@ def test_a_graph_named_in_a_function_is_freed_by_the_del_the_guard_advises():
             return mem.live - before
 
     assert train() == 0
+
+
+def test_after_an_oom_the_guard_names_the_variable_that_keeps_the_graph_alive(capsys):
+    model, _ = _two_layers()
+    x = torch.randn(4, 8)
+    with lk.oom_guard(model) as guard:
+        h = model[0](x)
+        h.register_hook(_oom)
+        loss = model[1](h).sum()
+        loss.backward()
+    out = capsys.readouterr().out
+    assert guard.oom and "`h`, `loss` still hold their autograd graph" in out and "`del h, loss`" in out
+    assert guard.graphs == ["h", "loss"]
+    del h, loss
+    with lk.oom_guard(model, quiet=True) as guard:     # backward on the unnamed expression: nothing named holds it
+        model[1](model[0](x)).sum().backward()
+        raise torch.OutOfMemoryError("simulated")
+    assert guard.oom and guard.graphs == []
 
 
 def test_the_guard_names_a_model_output_that_holds_a_graph(capsys):

@@ -1,4 +1,6 @@
-"""The repository's own rules: stripped notebooks, the notebook contract, agreeing dependency lists."""
+"""The repository's own rules: stripped notebooks, the notebook contract, agreeing dependency lists, named functions
+in the code notebooks 09 and 10 show."""
+import ast
 import json
 import pathlib
 import re
@@ -70,6 +72,16 @@ def test_every_solution_has_a_check(path):
     for i in solutions:
         assert "### END SOLUTION" in code[i]
         assert i + 1 < len(code) and "assert" in code[i + 1], f"{path.name}: a check cell follows each solution"
+
+
+@pytest.mark.parametrize("module", ["labkit/tensor_parallel.py", "labkit/pipeline_parallel.py", "labkit/zero.py",
+                                    "labkit/launch.py", "labkit/collectives.py", "labkit/scripts/tensor_parallel.py", "labkit/scripts/pipeline_parallel.py",
+                                    "labkit/scripts/zero_scratch.py", "labkit/scripts/fsdp_production.py",
+                                    "labkit/scripts/ddp_buckets.py", "labkit/scripts/chain.py"])
+def test_the_code_notebooks_09_and_10_show_names_its_functions(module):
+    tree = ast.parse((ROOT / module).read_text())
+    lambdas = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Lambda)]
+    assert not lambdas, f"{module}: lambdas on lines {lambdas}"
 
 
 SETTINGS = {"24 GiB", "256 GiB", "1 MiB", "2 MiB", "10 MiB", "20 MiB"}

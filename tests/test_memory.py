@@ -1,8 +1,17 @@
+"""lk.track: what it counts and under which category, its allocation trace, what it is given and what it refuses,
+nesting, compiled code, and its two backends (dispatch, profiler) behind one report."""
+import ast
+import pathlib
+
 import pytest
 import torch
 
 import labkit as lk
+from labkit import memory
+from labkit.alloc import replay
 from labkit.units import GiB, MiB
+
+PACKAGE = pathlib.Path(memory.__file__).parent
 
 
 def test_counts_allocations_frees_and_views_once():
@@ -27,6 +36,58 @@ def test_pre_existing_storage_seen_through_a_view_is_not_new():
     assert mem.peak == part2.untyped_storage().nbytes()
 
 
+def test_storage_resize_inside_the_block_is_counted():
+    """FSDP frees a parameter with untyped_storage().resize_(0) and refills it the same way: the books follow."""
+    w = torch.nn.Parameter(torch.zeros(1024))               # 4 KiB, passed in: counted from the start
+    with lk.track(w) as mem:
+        w.untyped_storage().resize_(0)
+        freed = mem.live
+        w.untyped_storage().resize_(4096 * 4)                # grown to 16 KiB
+    assert (freed, mem.live, mem.peak) == (0, 16384, 16384)
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_, "the wrapper is gone after the block"
+
+
+def test_trace_lists_allocations_and_frees_in_order():
+    with lk.track() as mem:
+        a = torch.empty(256)                   # 1 KiB
+        b = a + 1                              # 1 KiB
+        v = b[:10]                             # a view: nothing new
+        del a
+        c = torch.empty(0)                     # zero bytes: no allocation on CUDA either
+    sa, sb = (s for s, n, _ in mem.trace[:2])
+    assert mem.trace == [(sa, 1024, "other"), (sb, 1024, "other"), (sa, -1024, "other")]
+    assert sum(n for _, n, _ in mem.trace) == mem.live
+    del b, v, c
+
+
+def test_trace_categories_and_running_sum_match_the_timeline():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    with lk.track(model, opt) as mem:
+        model(torch.randn(16, 32)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    cats = {c for _, _, c in mem.trace}
+    assert {"parameters", "activations", "gradients", "optimizer"} <= cats
+    running, peak = 0, 0
+    for _, n, _ in mem.trace:
+        running += n
+        peak = max(peak, running)
+    assert peak == mem.peak and running == mem.live
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert sum(n for _, n, c in mem.trace if c == "gradients" and n > 0) == weights
+
+
+def test_resize_is_a_new_allocation_of_the_new_size():
+    with lk.track() as mem:
+        x = torch.empty(10)
+        x.resize_(100)
+    s = mem.trace[0][0]
+    assert mem.trace == [(s, 40, "other"), (s, 400, "other")]
+    r = replay(mem.trace)
+    assert r.peak_allocated == 512 + 512 and r.allocated[-1] == 512        # old block freed after the copy
+
+
 def test_categories_of_a_training_step(tiny_llama):
     model, opt, step = tiny_llama
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -38,6 +99,28 @@ def test_categories_of_a_training_step(tiny_llama):
     assert mem.at("forward end")["activations"] > 0
     assert mem.at("start")["optimizer"] == pytest.approx(2 * weights, rel=0.01)   # + the step counters
     assert [t for _, t in mem.marks][:3] == ["start", "forward", "forward end"]
+
+
+def test_a_training_forward_with_use_cache_on_counts_k_and_v_as_activations():
+    """use_cache left at its default in a training loop: the cache holds the K/V that attention saved for
+    backward. track files them as activations (as lk.estimate does); the same forward without a graph
+    keeps them as a cache for later tokens."""
+    model = lk.models.build("llama-2-7b", "tiny")
+    ids = next(lk.data.batches(2, 32))
+    with lk.track(model) as cached:
+        model(input_ids=ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=True)
+    with lk.track(model) as plain:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    model.zero_grad(set_to_none=True)
+    assert cached.max_parts["kv_cache"] == 0
+    assert cached.at("forward end")["activations"] == plain.at("forward end")["activations"]
+    with torch.no_grad(), lk.track(model) as infer:
+        out = model(input_ids=ids)
+    cfg = model.config
+    want = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4 * ids.numel()
+    assert infer.max_parts["kv_cache"] == want
+    del out
 
 
 def test_peak_equals_pytorch_memtracker(tiny_llama):
@@ -70,6 +153,17 @@ def test_fake_7b_training_step_foreach_false_and_true():
     assert 50 * GiB < m.peak < 52 * GiB
     extra = peaks[True].max_parts["other"] - m.max_parts["other"]
     assert extra == pytest.approx(6_738_415_616 * 2, rel=0.05)                # one parameter-sized copy
+
+
+def test_trace_under_fake_tensor_mode_replays():
+    model = lk.models.build("llama-2-7b", "tiny", dtype=torch.bfloat16, device="fake")
+    with model.fake_mode:
+        ids = torch.randint(0, 4096, (2, 64))
+        with lk.track(model) as mem:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert len(mem.trace) > 100 and all(isinstance(n, int) and n != 0 for _, n, _ in mem.trace)
+    r = replay(mem)                                           # a report is a trace too
+    assert r.ok and r.peak_reserved >= r.peak_allocated >= mem.peak
 
 
 def test_meta_device_is_counted():
@@ -119,6 +213,12 @@ def test_device_filter_and_bad_input():
         mem.label(torch.zeros(1), "weights")
     with pytest.raises(ValueError, match="mark must be one of .*'nowhere'"):
         mem.at("nowhere")
+
+
+@pytest.mark.parametrize("bad", [3, "model", None])
+def test_track_refuses_a_number_string_or_none_naming_it(bad):
+    with pytest.raises(TypeError, match=rf"argument 1 is {type(bad).__name__} {bad!r}"):
+        lk.track(torch.zeros(1), bad)
 
 
 def test_timeline_shape_and_repr():
@@ -203,6 +303,31 @@ def test_reading_the_model_output_cache_warns_nothing(monkeypatch):
     del out
 
 
+def test_track_given_a_generator_of_parameters_counts_them_as_parameters():
+    model, _ = _tiny_mlp()
+    size = sum(p.numel() * 4 for p in model.parameters())
+    with lk.track(model.parameters()) as mem:
+        model(torch.randn(4, 64)).sum().backward()
+    assert mem.peak_parts["parameters"] == size
+    assert mem.max_parts["gradients"] == size           # the grads born in backward, seen by the hooks
+
+
+def test_track_given_a_state_dicts_values_counts_them():
+    model, _ = _tiny_mlp()
+    with lk.track(model.state_dict().values()) as mem:
+        pass
+    assert mem.peak == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_the_walk_reads_a_one_shot_iterator_once():
+    from labkit.memory import BACKENDS, CATEGORIES
+    from labkit.memory.walk import objects, tensors
+    model = torch.nn.Linear(2, 3)
+    assert len(list(tensors(model))) == 2
+    assert objects((model.parameters(),), "track")[0][0] is model.weight     # a one-shot iterator read once
+    assert BACKENDS == ("dispatch", "profiler") and CATEGORIES[0] == "parameters"
+
+
 def _compiled():
     return torch.compile(lambda x: (x * 2).relu().sum(), backend="eager")   # fresh: Dynamo skips it for good
 
@@ -212,6 +337,20 @@ def test_compiled_code_under_the_dispatch_tracker_is_refused():
     with pytest.raises(RuntimeError, match=r"compiled code ran inside lk.track\(\).*backend='profiler'"):
         with lk.track():
             f(x)
+
+
+def test_compiled_code_is_refused_naming_the_users_function_only():
+    @torch.compile(backend="eager")
+    def double_sin(x):
+        return (x * 2).sin()
+
+    x = torch.randn(64)
+    double_sin(x)
+    with pytest.raises(RuntimeError, match=r"so double_sin ran eagerly") as err:
+        with lk.track():
+            y = double_sin(x)
+            del y                                         # a storage freed while Dynamo is watching
+    assert "_free" not in str(err.value)
 
 
 def test_compiled_code_inside_nested_trackers_is_refused_by_each():
@@ -229,6 +368,56 @@ def test_compiled_code_inside_nested_trackers_is_refused_by_each():
                     triple_cos(x)
     with lk.track():                                     # the listener is gone with the trackers
         pass
+
+
+def test_dispatch_trackers_nest_and_each_counts_on_its_own():
+    with lk.track() as outer:
+        a = torch.zeros(1000)                              # 4000 B
+        with lk.track() as inner:
+            b = torch.zeros(2000)                          # 8000 B
+        del b
+    assert (outer.peak, inner.peak, inner.live, outer.live) == (12000, 8000, 8000, 4000)
+    del a
+
+
+def test_a_profiler_tracker_does_not_nest():
+    with lk.track():
+        with pytest.raises(RuntimeError, match="backend='profiler'\\) does not nest"):
+            with lk.track(backend="profiler"):
+                pass
+    with lk.track(backend="profiler"):
+        with pytest.raises(RuntimeError, match="does not nest"):
+            with lk.track():
+                pass
+
+
+def test_track_picks_one_class_per_backend():
+    assert type(lk.track()) is memory.DispatchTracker and lk.track().backend == "dispatch"
+    assert type(lk.track(backend="profiler")) is memory.ProfilerTracker
+    assert isinstance(lk.track(), memory.Tracker) and isinstance(lk.track(backend="profiler"), memory.Tracker)
+    # only the dispatch tracker is a dispatch mode: the profiler one never sits on the mode stack
+    from torch.utils._python_dispatch import TorchDispatchMode
+    assert isinstance(lk.track(), TorchDispatchMode) and not isinstance(lk.track(backend="profiler"), TorchDispatchMode)
+
+
+def test_the_base_class_alone_says_to_use_track():
+    with pytest.raises(NotImplementedError, match="use track"):
+        with memory.Tracker(torch.ones(3)):
+            pass
+
+
+def test_both_backends_fill_the_same_report():
+    model, x = torch.nn.Linear(16, 16), torch.randn(4, 16)
+    reports = {}
+    for backend in memory.BACKENDS:
+        with lk.track(model, backend=backend) as mem:
+            model(x).sum().backward()
+        reports[backend] = mem
+        model.zero_grad(set_to_none=True)
+    d, p = reports["dispatch"], reports["profiler"]
+    assert [t for _, t in d.marks] == [t for _, t in p.marks] == ["start", "forward", "forward end", "backward", "end"]
+    assert d.peak_parts["parameters"] == p.peak_parts["parameters"] == (16 * 16 + 16) * 4
+    assert d.live - d.start == p.live - p.start == (16 * 16 + 16) * 4          # the gradients stay
 
 
 def test_profiler_backend_equals_dispatch_backend_in_eager(tiny_llama):
@@ -291,3 +480,11 @@ def test_profiler_backend_on_a_compiled_module_has_marks_and_warns_nothing():
     assert [t for _, t in mem.marks] == ["start", "forward", "forward end", "backward", "end"]
     weights = sum(p.nbytes for p in model.parameters())
     assert mem.at("start")["parameters"] == weights and mem.max_parts["gradients"] == weights
+
+
+def test_no_module_of_the_package_is_over_500_lines_and_none_uses_a_lambda():
+    for path in PACKAGE.glob("*.py"):
+        text = path.read_text()
+        assert len(text.splitlines()) <= 500, f"{path.name} has {len(text.splitlines())} lines"
+        lambdas = [n.lineno for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Lambda)]
+        assert not lambdas, f"{path.name} uses lambdas on lines {lambdas}: name the function"

@@ -1,15 +1,18 @@
-"""labkit.offload: activation offload (host, disk, bf16), HostAdam, bandwidth, cross-device counts, Swapper."""
+"""labkit.offload and labkit.copies' counters: activation offload (host, disk, bf16), HostAdam, bandwidth, cross-device
+copies, the seed's Swapper as written beside the corrected one, saved bytes by device, hooks counted from outside."""
 import copy
 import logging
+import tracemalloc
 
 import numpy as np
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import labkit as lk
 from labkit import copies, offload
-from labkit.copies import CrossDeviceCopies
-from labkit.offload import ActivationOffload, HostAdam, Swapper
+from labkit.copies import CountedHooks, CrossDeviceCopies, GradWeightCopies, SavedBytesByDevice
+from labkit.offload import ActivationOffload, HostAdam, SeedSwapper, Swapper
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +210,86 @@ def test_swapper_moves_activations_not_weights():
         Swapper(layer, "cuda")(x).sum().backward()
     act = 8 * 64 * 4
     assert moved.routes == {"cpu->cuda": 2 * act, "cuda->cpu": 2 * act}
+
+
+def mlps(device, n=2):
+    return [layer.mlp for layer in lk.models.build("llama-2-7b", "tiny", device=device, num_hidden_layers=n).model.layers]
+
+
+def test_the_seeds_swapper_as_written_fails_on_a_module_on_the_device():
+    """`x = x.cpu(); x = self.module(x); return x.cuda()` with the module on the device ("meta" standing in
+    for a GPU under FakeTensorMode) is an op across two devices: refused, as on a GPU."""
+    stack = torch.nn.Sequential(*(SeedSwapper(m, "meta") for m in mlps("meta")))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.randn(2, 8, lk.models.config("llama-2-7b", "tiny").hidden_size, device="meta")
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            stack(x)
+
+
+def test_the_seeds_swapper_runs_the_layer_on_the_host_and_the_corrected_one_on_the_device():
+    """With the module on the host the seed's version runs it there: its saved tensors are all on the host;
+    the corrected Swapper keeps them on the device. Both move each layer's input and output once each way."""
+    h = lk.models.config("llama-2-7b", "tiny").hidden_size
+    out = {}
+    for name, wrapper, where, start in (("seed", SeedSwapper, "cpu", "meta"), ("fixed", Swapper, "meta", "cpu")):
+        stack = torch.nn.Sequential(*(wrapper(m, "meta", host="cpu") for m in mlps(where)))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            x = torch.randn(2, 8, h, device=start, requires_grad=True)
+            with CrossDeviceCopies() as moved, SavedBytesByDevice() as saved:
+                stack(x).sum().backward()
+        out[name] = moved.routes, saved.bytes
+    act = 2 * 8 * h * 4
+    assert out["seed"][0] == {"meta->cpu": 2 * 2 * act, "cpu->meta": 2 * 2 * act} == out["fixed"][0]
+    assert set(out["seed"][1]) == {"cpu"} and out["fixed"][1] == {"meta": out["seed"][1]["cpu"]}
+
+
+def test_saved_bytes_by_device_counts_a_storage_saved_twice_once():
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(8, 64)
+    with SavedBytesByDevice() as saved:
+        (x @ w).sum() + (x @ w.t()).sum()         # x saved by both matmuls, w by neither (x needs no grad)
+    assert saved.bytes == {"cpu": x.nbytes}
+
+
+def test_counted_hooks_count_what_activation_offload_moves_from_outside():
+    """CountedHooks around ActivationOffload: every moved save is unpacked once, and the bytes unpack returns
+    equal ActivationOffload's bytes back (host), twice them for bf16 (it comes back as fp32)."""
+    model = lk.models.build("llama-2-7b", "tiny", num_hidden_layers=2)
+    ids = next(lk.data.batches(2, 32))
+    for to in ("host", "bf16"):
+        off = ActivationOffload(to, keep=model)
+        with CountedHooks(off) as counted:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        t = counted.tally
+        assert t["copied"] == off.packs + off.shared > 0 and t["unpacked"] == t["copied"]
+        assert t["unpacked_bytes"] == off.bytes_in * (2 if to == "bf16" else 1)
+        assert not off._packed, "its exit clears the offloader's sharing table"
+
+
+def test_counted_hooks_see_that_save_on_cpu_copies_nothing_on_a_cpu():
+    model = lk.models.build("llama-2-7b", "tiny", num_hidden_layers=1)
+    ids = next(lk.data.batches(2, 16))
+    with CountedHooks(torch.autograd.graph.save_on_cpu(), weights=model.parameters()) as counted:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert counted.tally["saved"] > 0 and counted.tally["copied"] == 0
+
+
+def test_grad_weight_copies_and_numpy_bytes_see_host_adam_move_its_state():
+    layer = torch.nn.Linear(32, 32)
+    opt = HostAdam(layer.parameters(), lr=1e-3)
+    tracemalloc.start()
+    try:
+        with GradWeightCopies(layer) as moved:
+            layer(torch.randn(4, 32)).sum().backward()
+            opt.step()
+        held = copies.numpy_bytes()
+    finally:
+        tracemalloc.stop()
+    weights = sum(p.nbytes for p in layer.parameters())
+    assert moved.from_grads == moved.into_weights == weights
+    assert held >= 3 * weights                     # master copy and two moments, numpy on the host
+    assert copies.numpy_bytes() == 0              # not tracing: nothing seen
 
 
 def test_count_weight_reads_with_disk_offload(tmp_path):

@@ -1,9 +1,17 @@
+"""labkit.paged's first design (vLLM's block allocator and block tables): allocation, copy-on-write, loud errors, no
+block lost under random operations; and the package's layers, each importing only those above it."""
+import ast
 import collections
+import pathlib
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from labkit.paged import BlockAllocator, BlockTables, OutOfBlocks
+from labkit import paged
+from labkit.paged import BlockAllocator, BlockTables, OutOfBlocks, block_hashes
+
+ORDER = ["allocator", "tables", "admission", "swapping", "prefix", "serving"]   # the reading order of __init__
+PACKAGE = pathlib.Path(paged.__file__).parent
 
 
 def test_allocate_free_and_loud_errors():
@@ -19,6 +27,14 @@ def test_allocate_free_and_loud_errors():
         a.free(7)
     with pytest.raises(ValueError, match="num_blocks must be an int >= 1, got 0"):
         BlockAllocator(0)
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.0, True])
+def test_a_block_size_below_one_is_refused(bad):
+    with pytest.raises(ValueError, match=f"block_size must be an int >= 1, got {bad!r}"):
+        BlockAllocator(8, bad)
+    with pytest.raises(ValueError, match=f"block_size must be an int >= 1, got {bad!r}"):
+        block_hashes([1, 2, 3, 4], bad)
 
 
 def test_append_grows_by_blocks_and_slots_follow_the_table():
@@ -103,3 +119,27 @@ def test_no_block_lost_or_double_counted(operations, block_size):
         assert sorted(alloc.free_list) == [b for b in range(alloc.num_blocks) if owners.get(b, 0) == 0]
         for s, table in t.tables.items():
             assert len(table) == -(-t.lengths[s] // block_size)
+
+
+# ---- the layers on top: each imports only those above it; the first design knows none of them ----------
+def imports_of(name):
+    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
+
+
+@pytest.mark.parametrize("name", ORDER)
+def test_each_layer_imports_only_the_layers_above_it(name):
+    above = set(ORDER[:ORDER.index(name)])
+    assert imports_of(name) <= above, f"{name} imports {imports_of(name) - above}, below it or beside it"
+    assert len((PACKAGE / f"{name}.py").read_text().splitlines()) < 200, f"{name}.py: one idea, a few screens"
+
+
+def test_the_first_design_is_short_and_knows_nothing_of_the_layers():
+    source = (PACKAGE / "allocator.py").read_text()
+    code = [line for line in source.splitlines() if line.strip() and not line.lstrip().startswith(("#", '"'))]
+    assert len(source.splitlines()) < 70, "vLLM's first allocator is a screen"
+    for later in ("evictor", "hash", "watermark", "swap", "host"):
+        assert later not in source, f"allocator.py mentions {later!r}: that belongs to a layer on top"
+    assert code, "the allocator has code"
+    a = BlockAllocator(4, 4)
+    assert not hasattr(a, "evictor") and not hasattr(BlockTables(a), "can_allocate")

@@ -1,7 +1,10 @@
-"""labkit.paged beyond the first design: admission, swapping, prefix caching, copies taken per step."""
+"""labkit.paged beyond the first design: the layers (admission, swapping, prefix caching) and what they refuse,
+copies taken per step, token ids that are not ids."""
 import collections
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from labkit.paged import (LATER, NEVER, NOW, BlockAllocator, BlockTables, OutOfBlocks, PrefixCachingAllocator,
@@ -39,6 +42,17 @@ def test_bad_arguments_are_named():
         serving_tables(PrefixCachingAllocator(4, 4), prefix_caching=True).add("a", 5)
     with pytest.raises(ValueError, match="swap_out needs a host pool"):
         t.add("a", 1) or t.swap_out("a")
+
+
+def test_the_layers_refuse_what_they_cannot_serve():
+    with pytest.raises(TypeError, match="prefix caching needs a PrefixCachingAllocator, got BlockAllocator"):
+        serving_tables(BlockAllocator(4, 4), prefix_caching=True)
+    with pytest.raises(TypeError, match="watermark"):
+        BlockTables(BlockAllocator(4, 4), watermark=0.1)        # the first design has no admission control
+    t = serving_tables(PrefixCachingAllocator(8, 4), host=BlockAllocator(4, 4), watermark=0.25, prefix_caching=True)
+    assert t.prefix_caching and t.watermark_blocks == 2 and t.host.num_blocks == 4
+    assert [cls.__name__ for cls in type(t).__mro__[:5]] == [
+        "PrefixServingTables", "PrefixCachingTables", "SwappingTables", "WatermarkTables", "BlockTables"]
 
 
 def test_freeing_an_unknown_or_freed_sequence_raises():
@@ -106,6 +120,28 @@ def test_block_hashes_chain_the_prefix():
     assert block_hashes([5, 6, 7, 8], 4, parent=a[0]) == a[1:]
 
 
+@pytest.mark.parametrize("tokens, says", [
+    ([[1, 2], [3, 4]], r"tokens\[0\] must be an int token id, got \[1, 2\]"),
+    ([1, 2.7, 3], r"tokens\[1\] must be an int token id, got 2.7"),
+    ([1, True], r"tokens\[1\] must be an int token id, got True"),
+    ("abc", "tokens must be a count or a sequence of token ids, got 'abc'"),
+])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_token_ids_that_are_not_ids_are_refused_and_nothing_changes(tokens, says, prefix_caching):
+    tables = serving_tables((PrefixCachingAllocator if prefix_caching else BlockAllocator)(8, 4), prefix_caching=prefix_caching)
+    with pytest.raises(TypeError, match=says):
+        tables.add("a", tokens)
+    assert tables.tables == {} and tables.allocator.num_free == 8
+
+
+def test_integer_ids_from_numpy_and_torch_are_ids():
+    tables = serving_tables(PrefixCachingAllocator(8, 4), prefix_caching=True)
+    assert tables.add("a", np.arange(8)) == 0
+    assert tables.add("b", torch.arange(9)) == 8          # the same two full blocks, found in the cache
+    with pytest.raises(TypeError, match=r"tokens\[0\] must be an int token id, got tensor\(0.5000\)"):
+        tables.add("c", torch.tensor([0.5]))
+
+
 def test_prefix_caching_shares_full_blocks_and_evicts_lru():
     alloc = PrefixCachingAllocator(6, block_size=4)
     t = serving_tables(alloc, prefix_caching=True)
@@ -137,6 +173,18 @@ def test_prefix_cache_counts_only_blocks_in_use_as_free_to_share():
     with pytest.raises(OutOfBlocks):
         t.add("c", list(range(60, 64)))
     assert "c" not in t.tables and (t.prefix_queries, t.prefix_hits) == (4, 2), "a refused add counts nothing"
+
+
+def test_sharing_a_free_block_is_not_called_a_double_free():
+    a = PrefixCachingAllocator(4, 4)
+    with pytest.raises(ValueError, match="cannot share block 2: it is free"):
+        a.share(2)
+    with pytest.raises(ValueError, match="cannot cache block 1: it is free"):
+        a.cache(1, 123)
+    b = a.allocate()
+    a.free(b)
+    with pytest.raises(ValueError, match=f"Double free of block {b}"):
+        a.free(b)
 
 
 def test_prefix_blocks_are_named_as_they_fill():
@@ -212,6 +260,20 @@ def test_swap_in_reuses_blocks_still_cached_on_the_device():
     copies = t.swap_in("a")
     assert t.tables["a"][:2] == t.tables["b"][:2] == full and len(copies) == 1
     assert device.ref_count[full[0]] == 2
+
+
+def test_a_sequence_swapped_back_in_names_its_blocks_again():
+    """The one place two layers meet (serving.py): after a swap out and in, a new request finds the prefix."""
+    device = PrefixCachingAllocator(4, 4)
+    t = serving_tables(device, host=BlockAllocator(4, 4), prefix_caching=True)
+    t.add("a", list(range(8)))
+    t.swap_out("a")
+    t.add("filler", list(range(100, 116)))          # takes every device block: the cached ones are evicted
+    assert not set(t.hashes["a"]) & set(device.cached), "a's names are gone from the device"
+    t.free("filler")
+    t.swap_in("a")
+    assert set(t.hashes["a"]) <= set(device.cached)
+    assert t.add("b", list(range(8)) + [9]) == 8, "a's blocks are named again on the device"
 
 
 def test_can_swap_in_counts_cached_blocks_in_use_as_free():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import labkit as lk
+from labkit.launch import fake_ranks
 from labkit.plan import verify as V
 
 SEQ, MICRO = 128, 2
@@ -164,7 +165,7 @@ def test_one_fsdp_rank_agrees_with_the_profiler_on_real_tensors():
     rank (real tensors, fake collectives) plus what lived before the step: the local shards, Adam's state, the ids."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    with V.fake_process_group(4):
+    with fake_ranks(4):
         mesh = init_device_mesh("cpu", (4,))
         model, x = build(), ids()
         for layer in model.model.layers:

@@ -1,3 +1,5 @@
+"""labkit.records: lk.record's figures (values kept, standard JSON, a corrupted file set aside) and the GPU records
+of data/gpu/ (read, shown with their GPU and date, refused naming the file, line, key or folder)."""
 import json
 import pathlib
 from fractions import Fraction
@@ -94,10 +96,35 @@ def test_show_gpu_labels_each_figure_with_the_gpu_and_the_date(tmp_path, capsys)
         records.show_gpu("flash", "peak_bytes", folder=tmp_path)
 
 
+def test_a_misspelt_key_is_an_error_naming_the_figures_there_are(tmp_path):
+    (tmp_path / "h200.jsonl").write_text(_gpu_line("flash", "2026-12-02T10:00:00Z", fwd_tflops=412.5))
+    with pytest.raises(ValueError, match=r"keys \['fwd_tflop'\] are in no record of 'flash'; its figures are \['fwd_tflops'\]"):
+        records.show_gpu("flash", ["fwd_tflop"], folder=tmp_path)
+
+
+def test_keys_may_be_any_iterable_of_names_read_once(tmp_path, capsys):
+    (tmp_path / "h200.jsonl").write_text(_gpu_line("flash", "2026-12-02T10:00:00Z", fwd_tflops=412.5))
+    records.show_gpu("flash", (k for k in ["fwd_tflops"]), folder=tmp_path)
+    assert capsys.readouterr().out.endswith("flash: fwd_tflops 412.5\n")
+
+
+def test_a_record_without_figures_says_so(tmp_path, capsys):
+    (tmp_path / "h200.jsonl").write_text(_gpu_line("flash", "2026-12-02T10:00:00Z"))
+    records.show_gpu("flash", folder=tmp_path)
+    assert capsys.readouterr().out.endswith("flash: (no one-number figures in this record)\n")
+
+
 def test_show_gpu_says_in_one_line_that_no_record_exists_yet(tmp_path, capsys):
     assert records.show_gpu("tf32", folder=tmp_path / "absent") == []
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "No GPU record of the check 'tf32'" in out and "make gpu-smoke" in out
+
+
+def test_the_no_record_line_names_the_folder_it_read_and_any_failed_runs(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text(_gpu_line("flash", "2026-12-02T10:00:00Z", status="failed", error="CUDA error"))
+    assert records.show_gpu("flash", folder=tmp_path) == []
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and str(tmp_path) in out and "1 failed or skipped run(s)" in out
 
 
 def test_gpu_check_names_are_validated_before_any_file_is_read(tmp_path):
@@ -116,6 +143,20 @@ def test_a_broken_gpu_record_names_its_file_and_line(tmp_path):
         records.gpu_figures("flash", folder=tmp_path)
     (tmp_path / "x.jsonl").write_text('{"gpu": "A", "check": "flash"}\n')
     with pytest.raises(ValueError, match=r"x.jsonl:1 is not a GPU record: it lacks date, torch"):
+        records.gpu_figures("flash", folder=tmp_path)
+
+
+def test_a_bad_folder_or_a_bad_field_is_an_error_naming_it(tmp_path):
+    with pytest.raises(TypeError, match="folder must be a path .*got 3"):
+        records.gpu_figures("flash", folder=3)
+    (tmp_path / "a.jsonl").write_text(_gpu_line("flash", "2026-12-02T10:00:00Z"))
+    with pytest.raises(ValueError, match="folder must be a folder .*got the file"):
+        records.gpu_figures("flash", folder=tmp_path / "a.jsonl")
+    (tmp_path / "a.jsonl").write_text(_gpu_line("flash", 5))
+    with pytest.raises(ValueError, match=r"a.jsonl:1 is not a GPU record: date must be text"):
+        records.gpu_figures("flash", folder=tmp_path)
+    (tmp_path / "a.jsonl").write_bytes(b"\xff\xfe\n")
+    with pytest.raises(ValueError, match=r"a.jsonl is not UTF-8 text"):
         records.gpu_figures("flash", folder=tmp_path)
 
 

@@ -81,3 +81,17 @@ def test_a_combination_without_estimate_is_said_not_raised():
     assert calc.estimate is before
     calc.controls["dtype"].value = "bf16"
     assert calc.message is None and calc.estimate.parts["kv_cache"] > 0
+
+
+def test_the_calculator_has_parallel_controls():
+    calc = calculator(preset="llama-2-7b", seq=1024, dtype="mixed")
+    assert calc.estimate.total == lk.estimate("llama-2-7b", 1, 1024, "mixed", "adamw").total
+    calc.controls["dp"].value = 64
+    calc.controls["zero"].value = 3
+    assert calc.estimate.total == lk.estimate("llama-2-7b", 1, 1024, "mixed", "adamw", dp=64, zero=3).total
+    calc.controls["tp"].value = 8
+    calc.controls["pp"].value = 2
+    want = lk.estimate("llama-2-7b", 1, 1024, "mixed", "adamw", dp=64, zero=3, tp=8, pp=2)
+    assert calc.estimate.total == want.total and calc.message is None
+    calc.controls["training"].value = False           # ZeRO shards training state: inference ignores it
+    assert calc.message is None and calc.estimate.parts["kv_cache"] > 0

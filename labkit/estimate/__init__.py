@@ -57,7 +57,7 @@ def estimate(config, batch=1, seq=512, dtype="bf16", optimizer="adamw", training
     grad_accum: an fp32 gradient-accumulation buffer (4 bytes/param; with "mixed": 20 bytes/param).
     device: "cpu" or "cuda" (default: this machine): dropout masks are e bytes on a CPU, 1 byte on CUDA.
     method: "auto" (a formula where one exists, else "fake"), "formula" or "fake" (measure a real step on
-    FakeTensorMode tensors: takes seconds; exact where tests/test_edges_estimate.py shows it).
+    FakeTensorMode tensors: takes seconds; exact where tests/test_estimate_families.py shows it).
     max_positions: allow seq + generated tokens beyond config.max_position_embeddings up to this number.
     parallel: Parallel(dp, zero, tp, pp, offload): the memory of one rank when training on dp x tp x pp
     devices (batch is then the micro-batch of one data-parallel rank); the flat keywords dp=, zero=, tp=,

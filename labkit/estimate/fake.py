@@ -3,7 +3,7 @@ FakeTensorMode (shapes, no data) and `track()` follows a real step of it (step.p
 training loop, `model(input_ids=ids, labels=ids).loss.backward()`, use_cache left at the config's default.
 
 Exact to the byte only where a test shows it: a grouped-KV decoder (Qwen3) training in fp32 at 64 and 2048
-tokens (tests/test_edges_estimate.py; the first step within AdamW's 4-byte step counters); GPT-NeoX, Phi3
+tokens (tests/test_estimate_families.py; the first step within AdamW's 4-byte step counters); GPT-NeoX, Phi3
 (fused QKV: the training forward's cache keeps 2 and 1.5 x b*s*h per layer less than use_cache=False) and
 BART against a plain loop (tests/test_estimate_families.py). Elsewhere it is what the same step allocates
 on a CPU, not what CUDA kernels would.

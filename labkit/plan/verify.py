@@ -55,10 +55,11 @@ import torch
 
 from .. import checks
 from ..estimate.config import build_model
+from ..launch import fake_ranks
 from ..units import fmt_bytes
 
 __all__ = ["verify", "Verification", "measure", "Step", "prepare", "weights_dtype", "levers_with_defaults", "LoRALinear",
-           "add_lora", "SavedToHost", "fake_process_group", "TRAIN_DEFAULTS", "ADAPTER_DEFAULTS", "SERVE_DEFAULTS"]
+           "add_lora", "SavedToHost", "TRAIN_DEFAULTS", "ADAPTER_DEFAULTS", "SERVE_DEFAULTS"]
 
 CATS = ("parameters", "gradients", "optimizer", "activations", "kv_cache", "other")
 ALL_LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -639,23 +640,7 @@ def _dense(t):
     return dense(t)
 
 
-# ---- one rank of FSDP2 over a fake process group ------------------------------------------------------
-@contextlib.contextmanager
-def fake_process_group(world_size):
-    """A process group of `world_size` ranks in which this process is rank 0 and no collective moves data
-    (torch.testing's FakeStore and "fake" backend: PyTorch's own route for one rank's memory at scale)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    if dist.is_initialized():
-        raise RuntimeError(f"verify needs its own fake process group, but one is initialized "
-                           f"(backend {dist.get_backend()!r}): run it in a process without torch.distributed")
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
+# ---- one rank of FSDP2 over a fake process group (labkit.launch.fake_ranks) ---------------------------
 FSDP_CATEGORIES = {"Sharded Param": "parameters", "Unsharded Param": "parameters", "Buffer": "parameters",
                    "Sharded Grad": "gradients", "Unsharded Grad": "gradients", "OptState": "optimizer",
                    "Activation": "activations", "Temp": "activations", "All Gather": "other",
@@ -679,7 +664,7 @@ def _fsdp_step(config, task, lv, seq, device, max_micro_batches, notes, seed):
     runs = min(lv["grad_accum"], max_micro_batches)
     reshard = adapters or lv["zero"] == 3
     fake = FakeTensorMode(allow_non_fake_inputs=True) if device == "fake" else contextlib.nullcontext()
-    with fake_process_group(lv["dp"]):
+    with fake_ranks(lv["dp"]):
         mesh = init_device_mesh(dev, (lv["dp"],))              # outside FakeTensorMode (it reads real ranks)
         torch.manual_seed(seed)
         with fake, fake_friendly_moe():

@@ -1,8 +1,8 @@
-"""Tensor and pipeline parallelism with 2 ranks (gloo on CPU, NCCL on GPUs), started by torchrun."""
+"""labkit.pipeline_parallel: GPipe's and 1F1B's orders replayed (the bubble formula, the dependencies), layers split
+into balanced stages; and one torchrun of two ranks running the tensor-parallel layers, then the pipeline."""
 from fractions import Fraction
 
 import pytest
-import torch
 
 from labkit.launch import launch
 from labkit.pipeline_parallel import balanced_split, gpipe, one_f_one_b, replay
@@ -32,7 +32,7 @@ def test_replay_respects_dependencies_and_rejects_bad_orders():
         replay([[("W", 0)]], [{"F": 1, "B": 1}])
 
 
-def test_balanced_split():
+def test_balanced_split_minimises_the_largest_stage_and_refuses_bad_parts():
     assert balanced_split([1, 1, 1, 3.5], 2) == [(0, 3), (3, 4)]
     assert balanced_split([1] * 8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert balanced_split([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]
@@ -44,7 +44,8 @@ def test_balanced_split():
         balanced_split([2, 3], 3)
 
 
-def test_sharded_layers_and_the_pipeline_in_one_torchrun():
+def test_one_torchrun_runs_the_sharded_layers_then_the_pipeline_on_two_ranks():
+    """One torchrun for both scripts (labkit.scripts.chain): starting the ranks costs more than their work."""
     # the scripts assert outputs, gradients and weight-gradient shards (rtol 1e-4) and the pipeline's loss
     r, pp = launch(["labkit.scripts.tensor_parallel", "labkit.scripts.pipeline_parallel"], nproc=2, timeout=300)
     tokens, h = r["tokens"], r["hidden"]
@@ -67,12 +68,3 @@ def test_sharded_layers_and_the_pipeline_in_one_torchrun():
         for m in pp["microbatches"]:
             orders = [[(k, c) for k, c, *_ in rows[(name, m, s)]["events"]] for s in range(2)]
             assert bubbles(replay(orders, [{"F": 1, "B": 2}] * 2)) == [Fraction(1, m + 1)] * 2
-
-
-def test_launch_reports_a_failing_rank():
-    with pytest.raises(RuntimeError, match="labkit.scripts.missing with 2 ranks failed"):
-        launch("labkit.scripts.missing", nproc=2, timeout=120)
-    with pytest.raises(ValueError, match="nproc must be .*, got 0"):
-        launch("labkit.scripts.tensor_parallel", nproc=0)
-    with pytest.raises(ValueError, match="module must be a module name or a list of them, got 3"):
-        launch(3)

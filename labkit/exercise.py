@@ -307,6 +307,15 @@ def _as_number(value, unit, name):
     return float(value)
 
 
+def _percent(gap):
+    """A signed gap in whole percent, never "-0%": one that rounds to 0% gets two decimals, and "0.00%" no sign."""
+    for digits in (0, 2):
+        text = f"{gap:+.{digits}%}"
+        if float(text[:-1]) != 0:
+            return text
+    return f"{0:.2%}"
+
+
 def reveal(what, predicted, estimated, measured, unit="bytes", measured_label="measured"):
     """Prints a prediction, an estimate and a measurement side by side; returns their gaps to the measurement.
 
@@ -336,6 +345,6 @@ def reveal(what, predicted, estimated, measured, unit="bytes", measured_label="m
                                        if label == "prediction" else "-"))
             continue
         gaps[label] = v / measured_v - 1
-        note = "" if label == "measured" else f"  ({v / measured_v - 1:+.0%} vs {measured_label})"
+        note = "" if label == "measured" else f"  ({_percent(v / measured_v - 1)} vs {measured_label})"
         print(f"  {title:<16} {show(v):>12}{note}")
     return gaps

@@ -193,7 +193,13 @@ def test_the_fake_path_equals_a_plain_training_loop_to_the_byte(name):
     probe's sizes). BART: on fake tensors transformers could not read its all-ones decoder mask and built a
     (b, 1, s, s) fp32 mask per decoder layer that a real step skips (+2·b·s²·4 B)."""
     import transformers as tf
+    from packaging.version import Version
     cfg = _held_out(name)
+    if name == "bart" and Version(tf.__version__) < Version("5.24"):   # BART's LayerDrop reads torch.rand([]) in Python
+        with pytest.raises(RuntimeError, match="reads a tensor's value in Python"):
+            lk.estimate(cfg, BATCH, SEQ, "fp32", "adamw")
+        pytest.skip(f"transformers {tf.__version__}: BART's LayerDrop draws a random number even at layerdrop 0 "
+                    "(5.24 tests layerdrop > 0 first): the fake path says so")
     est = lk.estimate(cfg, BATCH, SEQ, "fp32", "adamw")
     assert est.method == "fake"
     torch.manual_seed(0)

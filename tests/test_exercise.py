@@ -251,6 +251,15 @@ def test_reveal_names_a_modelled_figure_as_a_model(capsys):
         lk.reveal("x", None, 1, 1, unit="MiB", measured_label="")
 
 
+def test_reveal_never_prints_minus_zero(capsys):
+    lk.reveal("peak", "99.92 MiB", 100.00001, 100, unit="MiB")
+    out = capsys.readouterr().out
+    assert "-0%" not in out and "-0.00%" not in out
+    assert "(-0.08% vs measured)" in out and "(0.00% vs measured)" in out
+    lk.reveal("peak", 150, 99, 100, unit="MiB")
+    assert "(+50% vs measured)" in capsys.readouterr().out
+
+
 # ---- lk.nontrivial --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), "np.float32('nan')", "np.zeros(3)", "np.array([])",
                                    "torch.full((3,), float('inf'))"])

@@ -34,9 +34,16 @@ def fake_estimate(config, batch, seq, dtype, optimizer, training, recompute, kv_
                          f"(model_type {config.model_type!r} has no formula)")
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "mixed": torch.bfloat16}.get(dtype, torch.float32)
     model = build_model(config, "fake", torch_dtype)
-    with fake_friendly_moe():
-        first, mem = measure_step(model, config, batch, seq, "bf16" if dtype == "mixed" else dtype, optimizer,
-                                    training, recompute, kv_tokens, foreach, logits_to_keep)
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    try:
+        with fake_friendly_moe():
+            first, mem = measure_step(model, config, batch, seq, "bf16" if dtype == "mixed" else dtype, optimizer,
+                                      training, recompute, kv_tokens, foreach, logits_to_keep)
+    except DataDependentOutputException as e:     # e.g. BART's LayerDrop test on a random number, transformers < 5.24
+        import transformers
+        raise RuntimeError(f"model_type {config.model_type!r}: transformers {transformers.__version__} reads a "
+                           f"tensor's value in Python during this step ({e}); fake tensors have none, so the fake "
+                           "path cannot measure it here (the lock's transformers can)") from e
     est = from_trackers(model, config, first, mem)
     est.largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     if training:
@@ -89,7 +96,9 @@ def fake_friendly_moe():
     """What a fake step must not inherit from transformers' checks for tracing (is_tracing() is True on a
     FakeTensor), each patched only while measuring:
     - MoE experts call torch's grouped_mm, whose fake kernel accepts bf16 only; transformers' own fallback
-      op (same output, same saved tensors) has a fake kernel for every dtype: use it.
+      op (same output, same saved tensors) has a fake kernel for every dtype: use it. Before transformers 5.24
+      its backward read the experts' token offsets with .tolist() (no fake tensor can answer): on those versions
+      a backward that allocates the same two gradients is registered for fake tensors (real ones: unchanged).
     - masking_utils.find_packed_sequence_indices cannot read the position ids of a fake tensor, so it
       assumes packed sequences: every layer then gets a (b, 1, s, s) mask and SDPA K/V expanded to all
       heads, which a real step with one sequence per row never has. Our step packs nothing: say so (None).
@@ -98,6 +107,7 @@ def fake_friendly_moe():
       17 other families) got a (b, 1, s, s) mask in fp32 per layer that a real step skips (+2·b·s²·4 B
       for BART's two decoder layers). Our step pads nothing: the mask is all ones, say so (no mask).
     """
+    _fake_safe_moe_backward()
     with _patched("transformers.integrations.moe", "_can_use_grouped_mm", _no_grouped_mm), \
             _patched("transformers.masking_utils", "find_packed_sequence_indices", _no_packed_sequences), \
             _patched_keeping("transformers.masking_utils", "_ignore_causal_mask_sdpa", _no_padding), \
@@ -132,6 +142,33 @@ def _no_padding(original):
 def _is_fake(t):
     from torch._subclasses.fake_tensor import is_fake
     return is_fake(t)
+
+
+_MOE_BACKWARD = []
+
+
+def _fake_safe_moe_backward():
+    """On transformers < 5.24 (no fake kernel for the grouped-mm fallback's backward): register, once, a backward
+    that gives fake tensors the zeros_like(input) and zeros_like(weight) the real one allocates, and calls the
+    real one for real tensors."""
+    try:
+        import transformers.integrations.moe as moe
+    except ImportError:
+        return
+    if _MOE_BACKWARD or hasattr(moe, "_grouped_mm_fallback_backward_fake") or \
+            not hasattr(moe, "_grouped_mm_fallback_backward"):
+        return
+    import torch
+    real = moe._grouped_mm_fallback_backward
+
+    def backward(ctx, grad_output):
+        if _is_fake(ctx.offs):
+            input, weight = ctx.saved_tensors
+            return torch.zeros_like(input), torch.zeros_like(weight), None
+        return real(ctx, grad_output)
+    torch.library.register_autograd("transformers::grouped_mm_fallback", backward,
+                                    setup_context=moe._grouped_mm_fallback_setup_context)
+    _MOE_BACKWARD.append(backward)
 
 
 def _no_grouped_mm(*args, **kwargs):

@@ -11,7 +11,8 @@ buckets after a first one of 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTE
 to its default). Then REPEATS steps are timed, backward only (its all-reduces included: DDP's backward returns
 when every bucket is averaged), against the same model without DDP whose gradients are flattened and all-reduced
 once after backward, against backward alone and that one all-reduce alone, and against an all-reduce of 4 bytes
-(what every call costs however small: the latency).
+(what every call costs however small: the latency). Times compared with each other are measured in turn in one
+loop (each DDP run beside backward alone), so that a shared machine's load changes them alike.
 """
 import functools
 import statistics
@@ -55,11 +56,6 @@ def timed_backward(model, ids, after=None):
     return seconds
 
 
-def median_backward(model, ids, after=None):
-    timed_backward(model, ids, after)               # warm-up
-    return statistics.median(timed_backward(model, ids, after) for _ in range(REPEATS))
-
-
 def one_all_reduce(model):
     """Every gradient flattened into one buffer, all-reduced once after backward, averaged, copied back."""
     grads = [p.grad for p in model.parameters()]
@@ -76,18 +72,29 @@ def flat_on_gpu(model):
     return next(model.parameters()).is_cuda
 
 
-def median_all_reduce(model, repeats=REPEATS):
-    """The one all-reduce of every gradient, alone (the gradients already there), median of `repeats`."""
+def timed_all_reduce(model):
+    """Seconds of the one all-reduce of every gradient, alone (the gradients already there)."""
+    dist.barrier()
+    t0 = time.perf_counter()
     one_all_reduce(model)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        one_all_reduce(model)
-        if flat_on_gpu(model):
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    if flat_on_gpu(model):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def interleaved_times(model, ids):
+    """Medians of backward alone, the one all-reduce alone, and backward then that all-reduce, measured in turn
+    in one loop: on a shared machine, times taken seconds apart are not comparable, times taken in turn are."""
+    after = functools.partial(one_all_reduce, model)
+    timed_backward(model, ids), timed_backward(model, ids, after)       # warm-up
+    alone, reduce, both = [], [], []
+    for _ in range(REPEATS):
+        alone.append(timed_backward(model, ids))
+        loss_of(model, ids).backward()
+        reduce.append(timed_all_reduce(model))
+        model.zero_grad(set_to_none=True)
+        both.append(timed_backward(model, ids, after))
+    return statistics.median(alone), statistics.median(reduce), statistics.median(both)
 
 
 def median_latency(dev, repeats=4 * REPEATS):
@@ -112,8 +119,9 @@ def sized_hook(sizes, bucket):
     return allreduce_hook(None, bucket)
 
 
-def ddp_run(cap_mb, dev, ids):
-    """Buckets of one DDP step after the rebuild, as the process group saw them, and backward's median time."""
+def ddp_run(cap_mb, dev, ids, model):
+    """Buckets of one DDP step after the rebuild, as the process group saw them, and backward's median time,
+    with and without DDP (`model`, the same weights unwrapped), measured in turn."""
     ddp = DDP(build(dev), bucket_cap_mb=cap_mb)       # None: DDP's default
     sizes = []
     ddp.register_comm_hook(sizes, sized_hook)
@@ -124,8 +132,13 @@ def ddp_run(cap_mb, dev, ids):
             loss_of(ddp, ids).backward()
         ddp.zero_grad(set_to_none=True)
         first = first or dict(counts)
-    return dict(cap_mb=cap_mb, first_step=first, counted=dict(counts), bucket_bytes=list(sizes),
-                median_s=median_backward(ddp, ids))
+    counted = dict(cap_mb=cap_mb, first_step=first, counted=dict(counts), bucket_bytes=list(sizes))   # before the timing
+    timed_backward(ddp, ids), timed_backward(model, ids)                 # warm-up
+    with_ddp, alone = [], []
+    for _ in range(REPEATS):
+        with_ddp.append(timed_backward(ddp, ids))
+        alone.append(timed_backward(model, ids))
+    return dict(counted, median_s=statistics.median(with_ddp), backward_alone_s=statistics.median(alone))
 
 
 def main():
@@ -135,21 +148,19 @@ def main():
     ids = next(lk.data.batches(BATCH * world, SEQ, seed=0, device=dev)).chunk(world)[rank]
     model = build(dev)
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
-    out = dict(world=world, batch=BATCH, seq=SEQ, repeats=REPEATS, param_bytes=sizes,
-               backward_alone_s=median_backward(model, ids))
+    out = dict(world=world, batch=BATCH, seq=SEQ, repeats=REPEATS, param_bytes=sizes)
     loss_of(model, ids).backward()
     with process_group_calls() as counts:
         one_all_reduce(model)
     out["one_all_reduce_counted"] = dict(counts)
-    out["all_reduce_alone_s"] = median_all_reduce(model)
+    model.zero_grad(set_to_none=True)
+    out["backward_alone_s"], out["all_reduce_alone_s"], out["after_backward_s"] = interleaved_times(model, ids)
     out["all_reduce_latency_s"] = median_latency(dev)
     out["first_bucket_default_bytes"] = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20)   # torch's constant
-    model.zero_grad(set_to_none=True)
-    out["after_backward_s"] = median_backward(model, ids, functools.partial(one_all_reduce, model))
-    progress(f"backward alone, the all-reduce alone, and one after the other: {REPEATS} times each, timed")
+    progress(f"backward alone, the all-reduce alone, and one after the other: {REPEATS} times each, in turn, timed")
     out["ddp"] = []
     for cap in CAPS_MB:
-        out["ddp"].append(ddp_run(cap, dev, ids))
+        out["ddp"].append(ddp_run(cap, dev, ids, model))
         progress(f"DDP with bucket_cap_mb={cap}{' (the default)' if cap is None else ''}: buckets counted, backward timed")
     if rank == 0:
         write_result(out)

@@ -537,9 +537,10 @@ def check_matmul(ctx, n=4096):
 
 
 def check_cuda_graphs(ctx):
-    """A launch-bound forward (24 Linear(512, 512) + GELU at batch 8) eager and as a CUDA graph: time per
-    call, and the graph's private memory pool: reserved by the capture, kept through empty_cache while
-    the graph lives, returned once it is deleted."""
+    """A launch-bound forward (24 Linear(512, 512) + GELU at batch 8) eager and as a raw torch.cuda.CUDAGraph
+    (no torch.compile, no decoder: not notebook 11's compiled-against-graphed decoder): time per call, and
+    the graph's private memory pool: reserved by the capture, kept through empty_cache while the graph
+    lives, returned once it is deleted."""
     import torch
     layers = [m for _ in range(24) for m in (torch.nn.Linear(512, 512), torch.nn.GELU())]
     model = torch.nn.Sequential(*layers).cuda().eval()

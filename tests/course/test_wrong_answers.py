@@ -844,37 +844,43 @@ WRONG = {
         ("08-ex1", "the running sum and accumulator not rescaled when the maximum grows", """
             def tiled_causal(q, k, v, block=64):
                 N, scale = q.shape[-2], 1 / math.sqrt(q.shape[-1])
-                rows = torch.arange(N, device=q.device)
-                m = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-                l = torch.zeros(q.shape[:-1], device=q.device)
-                acc = torch.zeros(q.shape, device=q.device)
-                for start in range(0, N, block):
-                    kb, vb = k[..., start:start + block, :].float(), v[..., start:start + block, :].float()
-                    s = (q.float() @ kb.transpose(-1, -2)) * scale
-                    cols = torch.arange(start, start + kb.shape[-2], device=q.device)
-                    s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
-                    m = torch.maximum(m, s.amax(-1))
-                    p = torch.exp(s - m[..., None])
-                    l, acc = l + p.sum(-1), acc + p @ vb
-                return (acc / l[..., None]).to(q.dtype)
+                out = torch.empty(q.shape, device=q.device)
+                for i in range(0, N, block):
+                    qi, rows = q[..., i:i + block, :].float(), torch.arange(i, min(i + block, N), device=q.device)
+                    m = torch.full(qi.shape[:-1], float("-inf"), device=q.device)
+                    l = torch.zeros(qi.shape[:-1], device=q.device)
+                    acc = torch.zeros(qi.shape, device=q.device)
+                    for j in range(0, i + block, block):
+                        kb, vb = k[..., j:j + block, :].float(), v[..., j:j + block, :].float()
+                        s = (qi @ kb.transpose(-1, -2)) * scale
+                        cols = torch.arange(j, j + kb.shape[-2], device=q.device)
+                        s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+                        m = torch.maximum(m, s.amax(-1))
+                        p = torch.exp(s - m[..., None])
+                        l, acc = l + p.sum(-1), acc + p @ vb
+                    out[..., i:i + block, :] = acc / l[..., None]
+                return out.to(q.dtype)
             """),
         ("08-ex1", "the diagonal masked too: query i attends to keys j < i", """
             def tiled_causal(q, k, v, block=64):
                 N, scale = q.shape[-2], 1 / math.sqrt(q.shape[-1])
-                rows = torch.arange(N, device=q.device)
-                m = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-                l = torch.zeros(q.shape[:-1], device=q.device)
-                acc = torch.zeros(q.shape, device=q.device)
-                for start in range(0, N, block):
-                    kb, vb = k[..., start:start + block, :].float(), v[..., start:start + block, :].float()
-                    s = (q.float() @ kb.transpose(-1, -2)) * scale
-                    cols = torch.arange(start, start + kb.shape[-2], device=q.device)
-                    s = s.masked_fill(cols[None, :] >= rows[:, None], float("-inf"))
-                    m_new = torch.maximum(m, s.amax(-1))
-                    p = torch.exp(s - m_new[..., None])
-                    alpha = torch.exp(m - m_new)
-                    l, acc, m = l * alpha + p.sum(-1), acc * alpha[..., None] + p @ vb, m_new
-                return (acc / l[..., None]).to(q.dtype)
+                out = torch.empty(q.shape, device=q.device)
+                for i in range(0, N, block):
+                    qi, rows = q[..., i:i + block, :].float(), torch.arange(i, min(i + block, N), device=q.device)
+                    m = torch.full(qi.shape[:-1], float("-inf"), device=q.device)
+                    l = torch.zeros(qi.shape[:-1], device=q.device)
+                    acc = torch.zeros(qi.shape, device=q.device)
+                    for j in range(0, i + block, block):
+                        kb, vb = k[..., j:j + block, :].float(), v[..., j:j + block, :].float()
+                        s = (qi @ kb.transpose(-1, -2)) * scale
+                        cols = torch.arange(j, j + kb.shape[-2], device=q.device)
+                        s = s.masked_fill(cols[None, :] >= rows[:, None], float("-inf"))
+                        m_new = torch.maximum(m, s.amax(-1))
+                        p = torch.exp(s - m_new[..., None])
+                        alpha = torch.exp(m - m_new)
+                        l, acc, m = l * alpha + p.sum(-1), acc * alpha[..., None] + p @ vb, m_new
+                    out[..., i:i + block, :] = acc / l[..., None]
+                return out.to(q.dtype)
             """),
         ("08-ex2", "D = rowsum(dO), O left out", """
             def attention_backward(q, k, v, o, lse, do):
@@ -904,16 +910,19 @@ WRONG = {
         ("08-ex1", "no running maximum: exp(s) summed as it is, inf once a score passes 88 (REVIEW8)", """
             def tiled_causal(q, k, v, block=64):
                 N, scale = q.shape[-2], 1 / math.sqrt(q.shape[-1])
-                rows = torch.arange(N, device=q.device)
-                l = torch.zeros(q.shape[:-1], device=q.device)
-                acc = torch.zeros(q.shape, device=q.device)
-                for start in range(0, N, block):
-                    kb, vb = k[..., start:start + block, :].float(), v[..., start:start + block, :].float()
-                    s = (q.float() @ kb.transpose(-1, -2)) * scale
-                    cols = torch.arange(start, start + kb.shape[-2], device=q.device)
-                    p = torch.exp(s.masked_fill(cols[None, :] > rows[:, None], float("-inf")))
-                    l, acc = l + p.sum(-1), acc + p @ vb
-                return (acc / l[..., None]).to(q.dtype)
+                out = torch.empty(q.shape, device=q.device)
+                for i in range(0, N, block):
+                    qi, rows = q[..., i:i + block, :].float(), torch.arange(i, min(i + block, N), device=q.device)
+                    l = torch.zeros(qi.shape[:-1], device=q.device)
+                    acc = torch.zeros(qi.shape, device=q.device)
+                    for j in range(0, i + block, block):
+                        kb, vb = k[..., j:j + block, :].float(), v[..., j:j + block, :].float()
+                        s = (qi @ kb.transpose(-1, -2)) * scale
+                        cols = torch.arange(j, j + kb.shape[-2], device=q.device)
+                        p = torch.exp(s.masked_fill(cols[None, :] > rows[:, None], float("-inf")))
+                        l, acc = l + p.sum(-1), acc + p @ vb
+                    out[..., i:i + block, :] = acc / l[..., None]
+                return out.to(q.dtype)
             """),
         ("08-ex2", "P from a softmax written out by hand: the log-sum-exp the forward saved never read (REVIEW8)", """
             def attention_backward(q, k, v, o, lse, do):
@@ -929,6 +938,37 @@ WRONG = {
             def combine(o_parts, lse_parts):
                 total = torch.log(torch.exp(lse_parts).sum(-1))
                 return (torch.exp(lse_parts - total[..., None])[..., None] * o_parts).sum(-2)
+            """),
+        ("08-ex1", "chunks of queries each scored against all keys, exact row max and sum, P @ V over key tiles: no online softmax (reader's probe)", """
+            def tiled_causal(q, k, v, block=64):
+                N, scale = q.shape[-2], 1 / math.sqrt(q.shape[-1])
+                out = []
+                for i in range(0, N, block):
+                    s = (q[..., i:i+block, :] @ k.transpose(-1, -2)) * scale
+                    rows = torch.arange(i, min(i + block, N))[:, None]
+                    s = s.masked_fill(torch.arange(N)[None, :] > rows, float("-inf"))
+                    p = torch.exp(s - s.amax(-1, keepdim=True)); l = p.sum(-1, keepdim=True)
+                    o = sum(p[..., :, j:j+block] @ v[..., j:j+block, :] for j in range(0, N, block))
+                    out.append(o / l)
+                return torch.cat(out, -2)
+            """),
+        ("08-ex1", "every query against every key tile, masked: the tiles above the diagonal computed for nothing", """
+            def tiled_causal(q, k, v, block=64):
+                N, scale = q.shape[-2], 1 / math.sqrt(q.shape[-1])
+                rows = torch.arange(N, device=q.device)
+                m = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+                l = torch.zeros(q.shape[:-1], device=q.device)
+                acc = torch.zeros(q.shape, device=q.device)
+                for start in range(0, N, block):
+                    kb, vb = k[..., start:start + block, :].float(), v[..., start:start + block, :].float()
+                    s = (q.float() @ kb.transpose(-1, -2)) * scale
+                    cols = torch.arange(start, start + kb.shape[-2], device=q.device)
+                    s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+                    m_new = torch.maximum(m, s.amax(-1))
+                    p = torch.exp(s - m_new[..., None])
+                    alpha = torch.exp(m - m_new)
+                    l, acc, m = l * alpha + p.sum(-1), acc * alpha[..., None] + p @ vb, m_new
+                return (acc / l[..., None]).to(q.dtype)
             """),
     ],
     "09": [
@@ -1252,6 +1292,22 @@ WRONG = {
             def chunked_ce_forward(hidden, weight, targets, chunk):
                 return torch.cat([torch.logsumexp(hidden[s:s + chunk] @ weight.T, dim=-1)
                                   for s in range(0, hidden.shape[0], chunk)])
+            """),
+        ("12-ex2", "chunks twice the size asked for: under half the full logits, but not `chunk` rows at a time", """
+            def chunked_ce_forward(hidden, weight, targets, chunk):
+                losses = []
+                for s in range(0, hidden.shape[0], 2 * chunk):
+                    logits = hidden[s:s + 2 * chunk] @ weight.T
+                    losses.append(torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[s:s + 2 * chunk, None])[:, 0])
+                return torch.cat(losses)
+            """),
+        ("12-ex2", "chunked, but every chunk's logits kept alive until the end", """
+            def chunked_ce_forward(hidden, weight, targets, chunk):
+                losses, kept = [], []
+                for s in range(0, hidden.shape[0], chunk):
+                    kept.append(hidden[s:s + chunk] @ weight.T)
+                    losses.append(torch.logsumexp(kept[-1], dim=-1) - kept[-1].gather(1, targets[s:s + chunk, None])[:, 0])
+                return torch.cat(losses)
             """),
     ],
     "13": [

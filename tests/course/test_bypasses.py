@@ -70,7 +70,7 @@ BYPASSES = {
         ("02-ex2", ["labkit.zero"], """
             import tempfile
             import torch.distributed as dist
-            from labkit.zero import Zero
+            from labkit.zero import DDP
 
             class MasterWeights:
                 \"\"\"labkit's ZeRO engine at stage 0 (one rank): fp32 masters, AdamW and the copy back.\"\"\"
@@ -80,7 +80,7 @@ BYPASSES = {
                         dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
                     holder = torch.nn.Module()
                     holder.weights = torch.nn.ParameterList(self.params)
-                    self.engine = Zero(holder, stage=0, lr=lr, **adamw)
+                    self.engine = DDP(holder, lr=lr, **adamw)
                     self.master = self.engine.master
 
                 def step(self):
@@ -161,7 +161,7 @@ BYPASSES = {
             def my_reduce_scatter(grads, rank):
                 return shard(torch.stack(grads).mean(0), rank, len(grads))
             """),
-        ("10-ex2", ["labkit.estimate.model_states"], """
+        ("10-ex2", ["labkit.estimate.formulas.model_states"], """
             from labkit.estimate import model_states as formula
 
             def states_per_param(stage, n):

@@ -1,6 +1,7 @@
 """labkit.engines: the engines run in their own processes, agree with eager, and skip what is absent; bad engine
 lists and arguments are refused before any work; each run has a folder of its own and the malloc it was told
 (notebook 11's page faults, counted, never timed)."""
+import mmap
 import pathlib
 import subprocess
 import tempfile
@@ -217,8 +218,10 @@ def test_run_without_a_workdir_leaves_no_folder_behind(tmp_path, monkeypatch):
 def test_peak_rss_can_be_reset():
     now, peak = engine_run.rss()
     assert 0 < now <= peak
-    block = b"\x01" * (64 * 2**20)           # write 64 MiB, free it: the high-water mark stays up...
-    del block
+    block = mmap.mmap(-1, 64 * 2**20)        # 64 MiB of fresh pages (malloc might reuse resident free ones)...
+    for _ in range(64):
+        block.write(b"\x01" * 2**20)         # ...written, then unmapped: the high-water mark stays up...
+    block.close()
     assert engine_run.rss()[1] >= now + 60 * 2**20
     engine_run.reset_peak()                  # ...until reset to the current resident size
     assert engine_run.rss()[1] < now + 60 * 2**20

@@ -1,7 +1,7 @@
 """labkit: measure, estimate, guard and plot the memory of deep-learning models (GPU Memory Lab)."""
 from . import data, models, paged, plot
 from .bench import Result, Table, compare, measure
-from .device import CARD, HEADROOM, device, has, report, size
+from .device import CARD, HEADROOM, LIMIT, device, has, report, size
 from .exercise import exercise, nontrivial, reveal
 from .estimate import Estimate, Parallel, estimate, kv_cache_bytes, param_count
 from .guard import budget, free, oom_guard, requires
@@ -13,7 +13,7 @@ from .units import GiB, KiB, MiB, fmt_bytes, parse_bytes
 
 __all__ = [
     "data", "models", "paged", "plot", "widgets",
-    "device", "size", "has", "report", "CARD", "HEADROOM",
+    "device", "size", "has", "report", "CARD", "HEADROOM", "LIMIT",
     "track", "CATEGORIES",
     "estimate", "Estimate", "Parallel", "param_count", "kv_cache_bytes", "plan",
     "oom_guard", "budget", "free", "requires",

@@ -5,14 +5,16 @@ float, even 2.0, or a string refused).
 """
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 
-__all__ = ["count", "flag", "index", "power_of_two"]
+__all__ = ["count", "flag", "index", "number", "power_of_two"]
 
 
 def _int(value):
-    """value as an int if it is one (numpy integers too; not a bool), else None."""
-    if isinstance(value, bool):
+    """value as an int if it is one (numpy integers too; not a bool, not a tensor), else None."""
+    if isinstance(value, bool) or hasattr(value, "ndim") and not isinstance(value, numbers.Integral):   # a tensor
         return None
     try:
         return operator.index(value)
@@ -36,9 +38,16 @@ def index(name, value, size):
     return n
 
 
+def number(name, value, minimum=0):
+    """A finite real number >= minimum (numpy's too; not a bool), as a float, else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < minimum:
+        raise ValueError(f"{name} must be a finite number >= {minimum}, got {value!r}")
+    return float(value)
+
+
 def flag(name, value):
     """A bool (numpy's too), else a ValueError: the string "False" is truthy and would mean True."""
-    if type(value).__name__ not in ("bool", "bool_"):
+    if not (isinstance(value, bool) or type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return bool(value)
 
@@ -50,7 +59,7 @@ def power_of_two(name, value, minimum=1, why=""):
         n = count(name, value, minimum)
     except ValueError:
         n = 0
-    if n < minimum or n & (n - 1):
+    if n < max(minimum, 1) or n & (n - 1):
         at_least = f" >= {minimum}" if minimum > 1 else ""
         raise ValueError(f"{name} must be a power of two{at_least}{why}, got {value!r}")
     return n

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import tracemalloc
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -25,11 +25,16 @@ __all__ = ["CrossDeviceCopies", "SavedBytesByDevice", "CountedHooks", "GradWeigh
 
 
 def storages(objs, name):
-    """The data pointers of the storages behind every tensor in `objs` (modules, tensors, lists of them: the
-    walk of labkit.memory.walk.tensors); a TypeError naming `name` for a number or a string."""
-    if isinstance(objs, (str, bytes, int, float, complex)):
-        raise TypeError(f"{name} must be modules or tensors (or a list of them), got {type(objs).__name__} {objs!r}")
-    return {t.untyped_storage().data_ptr() for t in tensors(objs)}
+    """The data pointers of the storages behind every tensor in `objs`: a module, a tensor, None, or a list,
+    tuple, set or iterator (e.g. `model.parameters()`) of them, walked by labkit.memory.walk.tensors; a
+    TypeError naming `name` (and the item) for anything else."""
+    items = list(objs) if isinstance(objs, (list, tuple, set, frozenset, Iterator)) else [objs]
+    for i, item in enumerate(items):
+        if not isinstance(item, (torch.Tensor, torch.nn.Module, list, tuple, type(None))):
+            where = name if items == [objs] else f"{name}[{i}]"
+            raise TypeError(f"{where} must be a module or a tensor (or a list of them), got "
+                            f"{type(item).__name__} {item!r:.80}")
+    return {t.untyped_storage().data_ptr() for t in tensors(items)}
 
 
 class CrossDeviceCopies(TorchDispatchMode):

@@ -12,20 +12,23 @@ import shutil
 
 import torch
 
-__all__ = ["device", "size", "has", "report", "import_quietly", "FEATURES", "SIZES", "CARD", "HEADROOM"]
+__all__ = ["device", "size", "has", "report", "import_quietly", "FEATURES", "SIZES", "CARD", "HEADROOM", "LIMIT"]
 
 SIZES = ("tiny", "full")
 
 CARD = 24 * 2**30
-"""The workshop card the full size plans for: 24 GiB, as L4, A10 and RTX 4090 are sold (24 GB)."""
+"""The workshop card the full size plans for, the "24 GB" class (L4, A10, RTX 4090), counted as 24 GiB."""
 
 HEADROOM = 0.10
-"""The fraction of CARD no step may count on. A step fits when its estimated or tracked peak is at most
-CARD * (1 - HEADROOM) = 21.6 GiB. The 2.4 GiB left cover what the estimate and the tracker do not see: an L4 or
-A10 holds 22.5 GiB in all (nvidia-smi's 23034 MiB, data/gpus.csv), the CUDA context takes a few hundred MiB of
-that outside PyTorch's allocator, and the caching allocator keeps reserved-but-free blocks (fragmentation).
-tests/test_full_size.py checks each notebook's FULL_STEPS against this limit on a CPU, `make gpu-smoke` runs
-them capped at it, and `make test-gpu` fences each notebook's kernel to it."""
+"""The fraction of CARD no step may count on: a step fits when its estimated or tracked peak is at most LIMIT."""
+
+LIMIT = int(CARD * (1 - HEADROOM))
+"""CARD * (1 - HEADROOM) = 21.6 GiB, in whole bytes: what a notebook's step may use. What is left of a real card
+covers what the estimate and the tracker do not see (the CUDA context, a few hundred MiB outside PyTorch's
+allocator, and the caching allocator's reserved-but-free blocks): 2.4 GiB of an RTX 4090 (23.99 GiB), 0.9 GiB
+of an L4 or A10 (22.5 GiB in all: nvidia-smi's 23034 MiB, data/gpus.csv). tests/test_full_size.py checks each
+notebook's FULL_STEPS against LIMIT on a CPU, `make gpu-smoke` runs them capped at it, and `make test-gpu`
+fences each notebook's kernel to it."""
 
 
 def device():

@@ -61,8 +61,10 @@ def _name(obj):
 
 
 def _functions(obj, seen):
-    """(function-like object, name) for everything `obj` stands for: itself, a class's methods, a module's code."""
-    if id(obj) in seen:
+    """(function-like object, name) for everything `obj` stands for: itself, a class's methods, a module's code;
+    not labkit's callbacks marked `runs_on_its_own` (a tracker's weakref callback runs when a storage it counted
+    dies, inside any block: no answer calls it)."""
+    if id(obj) in seen or getattr(obj, "runs_on_its_own", False):
         return
     seen.add(id(obj))
     if isinstance(obj, types.ModuleType):

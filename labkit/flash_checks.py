@@ -130,6 +130,8 @@ def _heads(hq, hkv, d, dk):
 def _scale(sm_scale, d):
     if sm_scale is None:
         return 1.0 / math.sqrt(d)
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) or not math.isfinite(sm_scale):
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
         raise TypeError(f"sm_scale must be a finite number or None (1/sqrt(d)), got {sm_scale!r}")
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be a finite number or None (1/sqrt(d)), got {sm_scale!r}")
     return float(sm_scale)

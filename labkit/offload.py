@@ -139,6 +139,10 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self.seconds_out = self.seconds_in = 0.0
         super().__init__(self.pack, self.unpack)
 
+    def __enter__(self):                                  # `with ActivationOffload(...) as off:` gives off
+        super().__enter__()
+        return self
+
     def offloads(self, t):
         """Whether `t` is moved (True) or kept as it is (False), by the rules in the class docstring."""
         if not t.is_floating_point() or t.numel() * t.element_size() < self.min_bytes:

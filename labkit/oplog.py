@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["OpLog", "Op", "MATMULS"]
@@ -27,7 +28,8 @@ MATMULS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
 @dataclasses.dataclass
 class Op:
     """One ATen operation: its name (the overload packet's: "mm", "_softmax"), the shapes and data pointers
-    of its tensor arguments in order (a pointer is None where a tensor has no storage: fake or meta), and
+    of its tensor arguments in order, those in lists and keywords included (a pointer is None where a tensor
+    has no data: fake, meta or empty), and
     whether autograd was recording when it ran."""
     name: str
     shapes: list
@@ -37,7 +39,7 @@ class Op:
 
 def _pointer(t):
     try:
-        return t.data_ptr()
+        return t.data_ptr() or None             # meta and empty tensors: 0
     except RuntimeError:                        # FakeTensor: a shape without storage
         return None
 
@@ -50,7 +52,7 @@ class OpLog(TorchDispatchMode):
         self.ops = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]   # cat's lists, out=
         self.ops.append(Op(func.overloadpacket.__name__, [tuple(t.shape) for t in tensors],
                            [_pointer(t) for t in tensors], torch.is_grad_enabled()))
         return func(*args, **(kwargs or {}))

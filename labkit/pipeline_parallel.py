@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import count
+from .checks import count, flag, number
 
 __all__ = ["Stage", "loss_fn", "balanced_split", "gpipe", "one_f_one_b", "replay"]
 
@@ -22,6 +22,11 @@ class Stage(torch.nn.Module):
 
     def __init__(self, model, lo, hi, first, last):
         super().__init__()
+        n = len(model.model.layers)
+        lo, hi = count("lo", lo, 0), count("hi", hi, 0)
+        if not lo < hi <= n:
+            raise ValueError(f"lo and hi must give 0 <= lo < hi <= {n} (the model's layers), got lo={lo}, hi={hi}")
+        first, last = flag("first", first), flag("last", last)
         self.embed = model.model.embed_tokens if first else None
         self.layers = torch.nn.ModuleList(model.model.layers[lo:hi])
         self.rotary = model.model.rotary_emb
@@ -37,6 +42,8 @@ class Stage(torch.nn.Module):
 
 def loss_fn(logits, ids):
     """The causal LM loss transformers computes: each position predicts the next token, in fp32."""
+    if ids.dim() != 2 or ids.shape[1] < 2:
+        raise ValueError(f"ids must be (batch, tokens) with at least 2 tokens (one to predict), got shape {tuple(ids.shape)}")
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
@@ -47,6 +54,9 @@ def _largest_stage(candidate):                      # (largest stage cost, cuts)
 def balanced_split(costs, parts):
     """Cut `costs` (one number per layer, in order) into `parts` contiguous, non-empty stages whose
     largest total is as small as possible. Returns [(lo, hi), ...], layer indices [lo, hi) per stage."""
+    if not isinstance(costs, (list, tuple)):
+        raise ValueError(f"costs must be a list of numbers, one per layer, got {type(costs).__name__} {costs!r:.80}")
+    costs = [number(f"costs[{i}]", c) for i, c in enumerate(costs)]
     n = len(costs)
     parts = count("parts", parts)
     if parts > n:
@@ -67,6 +77,7 @@ def balanced_split(costs, parts):
 def gpipe(p, m):
     """GPipe's order (Huang et al. 2019): on every one of `p` stages, the forwards of all `m` micro-batches,
     then their backwards. Per stage a list of ("F" | "B", micro-batch) chunks, as `replay` reads them."""
+    p, m = count("p", p), count("m", m)
     return [[("F", c) for c in range(m)] + [("B", c) for c in range(m)] for _ in range(p)]
 
 
@@ -74,6 +85,7 @@ def one_f_one_b(p, m):
     """1F1B, PipeDream-Flush's order (Narayanan et al. 2021, sec. 2.2), what `Schedule1F1B` runs: stage s starts
     with p - 1 - s forwards (warm-up), then alternates one forward, one backward, and ends with the backwards
     left (cool-down). A stage holds at most p - s micro-batches' activations instead of GPipe's m."""
+    p, m = count("p", p), count("m", m)
     orders = []
     for s in range(p):
         warm = min(p - 1 - s, m)
@@ -93,6 +105,7 @@ def replay(orders, costs):
     A chunk starts when its stage is free and its input is ready: F(s, c) needs F(s-1, c); B(s, c)
     needs B(s+1, c), or F(s, c) on the last stage. Returns per stage [(kind, chunk, start, end)].
     """
+    _check_schedule(orders, costs)
     p = len(orders)
     done, free, pos = {}, [0] * p, [0] * p
     timeline = [[] for _ in range(p)]
@@ -107,7 +120,7 @@ def replay(orders, costs):
                 elif kind == "B":
                     dep = ("B", s + 1, chunk) if s < p - 1 else ("F", s, chunk)
                 else:
-                    raise ValueError(f"chunk kind must be 'F' or 'B', got {kind!r} on stage {s}")
+                    raise AssertionError(kind)                  # _check_schedule refused it
                 if dep is not None and dep not in done:
                     break                                   # wait for the other stage
                 start = max(free[s], done.get(dep, 0))
@@ -119,3 +132,31 @@ def replay(orders, costs):
     if stuck:
         raise ValueError(f"the orders deadlock: stage -> chunk it waits on {stuck}")
     return timeline
+
+
+def _check_schedule(orders, costs):
+    """replay's arguments, before any work: on every stage exactly one forward and one backward of each of the
+    same micro-batches 0..m-1 (or forwards only, on every stage: a schedule's forward half, as notebook 09
+    replays the seed's loop), and one cost per stage for each kind of chunk that runs, finite and >= 0."""
+    if not isinstance(orders, (list, tuple)) or not orders:
+        raise ValueError(f"orders must be a non-empty list, one order per stage, got {orders!r:.80}")
+    for s, order in enumerate(orders):
+        for chunk in order:
+            if not (isinstance(chunk, tuple) and len(chunk) == 2):
+                raise ValueError(f"chunks must be ('F' | 'B', micro-batch) pairs, got {chunk!r} on stage {s}")
+            if chunk[0] not in ("F", "B"):
+                raise ValueError(f"chunk kind must be 'F' or 'B', got {chunk[0]!r} on stage {s}")
+            count(f"a micro-batch on stage {s}", chunk[1], 0)
+    kinds = ("F", "B") if any(kind == "B" for order in orders for kind, _ in order) else ("F",)
+    m = len(orders[0]) // len(kinds)
+    for s, order in enumerate(orders):
+        if sorted(order) != sorted((k, c) for k in kinds for c in range(m)):
+            raise ValueError(f"orders[{s}] must hold {' and '.join(f'({k!r}, c)' for k in kinds)} once each for c in "
+                             f"0..{m - 1} (as stage 0 does; backwards on every stage or on none), got {order!r:.120}")
+    if not isinstance(costs, (list, tuple)) or len(costs) != len(orders):
+        raise ValueError(f"costs must be a list of {len(orders)} {{'F': units, 'B': units}} (one per stage), got {costs!r:.80}")
+    for s, cost in enumerate(costs):
+        for kind in kinds:
+            if not isinstance(cost, dict) or kind not in cost:
+                raise ValueError(f"costs[{s}] must be {{'F': units, 'B': units}}, got {cost!r:.80}")
+            number(f"costs[{s}][{kind!r}]", cost[kind])

@@ -46,12 +46,12 @@ NOTEBOOKS = ("00_start_here", "01_memory_anatomy", "02_mixed_precision", "03_act
              "04_cpu_offload", "05_caching_allocator", "06_quantization_qlora", "07_kv_cache_paged_attention",
              "08_flash_attention", "09_tensor_and_pipeline_parallelism", "10_zero_and_fsdp",
              "11_compile_and_engines", "12_profiling_and_kernels", "13_capstone_fit_what_does_not_fit")
-GPU_CHECKS.update({nb: f"notebook {nb[:2]}'s largest full-size step (FULL_STEPS) on the GPU, capped at 24 GiB less "
-                       f"its HEADROOM: whether it fits, peaks tracked, allocated and reserved against the estimate, "
+GPU_CHECKS.update({nb: f"notebook {nb[:2]}'s largest full-size step (FULL_STEPS) on the GPU, capped at lk.LIMIT "
+                       f"(lk.CARD less lk.HEADROOM): whether it fits, peaks tracked, allocated and reserved against the estimate, "
                        f"its time" for nb in NOTEBOOKS})
 # `make test-gpu`'s records (labkit/scripts/gpu_run.py): each notebook run whole at full size, and tests/test_gpu.py.
-GPU_RUNS = {f"test-gpu:{nb}": f"make test-gpu: notebook {nb[:2]} at full size under nbval, its kernel fenced to a "
-                              f"24 GB card's memory: passed or not, minutes, peak reserved" for nb in NOTEBOOKS}
+GPU_RUNS = {f"test-gpu:{nb}": f"make test-gpu: notebook {nb[:2]} at full size under nbval, its kernel fenced to lk.LIMIT "
+                              f"(21.6 GiB): passed or not, minutes, peak reserved" for nb in NOTEBOOKS}
 GPU_RUNS["test-gpu:test_gpu"] = "make test-gpu: tests/test_gpu.py"
 _REQUIRED = ("gpu", "date", "check", "torch")
 
@@ -202,7 +202,8 @@ def show_gpu(check, keys=None, *, folder=None):
     recs = gpu_figures(check, folder=where)
     if not recs:
         others = gpu_figures(check, failed=True, folder=where)
-        print(f"No GPU record of the check {check!r} exists yet in {_where(where)}: `make gpu-smoke` on a CUDA GPU "
+        target = "make test-gpu" if check.startswith("test-gpu:") else "make gpu-smoke"     # GPU_RUNS, GPU_CHECKS
+        print(f"No GPU record of the check {check!r} exists yet in {_where(where)}: `{target}` on a CUDA GPU "
               f"writes one." + (f" ({len(others)} failed or skipped run(s) of it are there: "
                                 f"gpu_figures({check!r}, failed=True) shows why.)" if others else ""))
         return recs

@@ -121,11 +121,13 @@ class ParallelAttention(torch.nn.Module):
     def __init__(self, attn, rank, world):
         super().__init__()
         cfg = attn.config
+        world = count("world", world)
+        for name in ("num_attention_heads", "num_key_value_heads"):     # whole heads on every rank
+            if getattr(cfg, name) % world:
+                raise ValueError(f"{name} ({getattr(cfg, name)}) must divide by the world size {world}")
         self.head_dim = attn.head_dim
         self.heads = cfg.num_attention_heads // world
         self.kv_heads = cfg.num_key_value_heads // world
-        if self.kv_heads == 0:
-            raise ValueError(f"num_key_value_heads ({cfg.num_key_value_heads}) must be at least the world size {world}")
         self.q, self.k, self.v = (ColumnParallelLinear(p, rank, world) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         self.o = RowParallelLinear(attn.o_proj, rank, world)
 
@@ -155,6 +157,12 @@ def shard_llama(model, rank, world):
     copied from the full ones, which are then dropped); the embedding, the norms and the LM head stay whole on
     every rank (Megatron-LM also splits the embedding and the head by vocabulary; this lesson does not).
     Needs a process group of `world` ranks (labkit.launch.init, or fake_ranks to measure one rank alone)."""
+    world = count("world", world)
+    rank = index("rank", rank, world)
+    group = dist.get_world_size() if dist.is_initialized() else None
+    if group != world:
+        size = group or "no group: labkit.launch.init or fake_ranks first"
+        raise ValueError(f"world must be the process group's size ({size}), got {world}")
     for layer in model.model.layers:
         layer.self_attn = ParallelLlamaAttention(layer.self_attn, rank, world)
         layer.mlp = ParallelMLP(layer.mlp, rank, world)

@@ -18,8 +18,9 @@ def parse_bytes(value, name="size"):
 
     Units: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024), any case except a
     lowercase b after a capital prefix ("Gb", "MiB" is fine, "Mib"): that is bits, and is refused.
-    The result must be a whole number of bytes, at least 1 (`1.5` and "2.5 B" are refused, "1.5 KiB" is
-    1536). A string is read exactly (as a Fraction): "1.1 KB" is 1100, where 1.1 * 1000 in floats is not.
+    The result is a whole number of bytes, at least 1: a number or a count of bytes must be whole (`1.5` and
+    "2.5 B" are refused), a string in a larger unit is rounded down to whole bytes ("1.5 KiB" is 1536, "21.6 GiB"
+    is 23192823398). A string is read exactly (as a Fraction): "1.1 KB" is 1100, where 1.1 * 1000 in floats is not.
     """
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number of bytes or a string like '2 GiB', got {value!r}")
@@ -46,9 +47,9 @@ def parse_bytes(value, name="size"):
         raise ValueError(f"{name} must be a whole number of bytes, got {value!r} (write e.g. '1.5 GiB' for a unit)")
     if n < 1:
         raise ValueError(f"{name} must be at least 1 byte, got {value!r}")
-    if n != int(n):                                    # "2.5 B": not truncated to 2
+    if n != int(n) and (not isinstance(value, str) or unit.lower() == "b"):   # "2.5 B": not truncated to 2
         raise ValueError(f"{name} must be a whole number of bytes, got {value!r}")
-    return int(n)
+    return int(n)                                      # "21.6 GiB": its whole bytes
 
 
 def fmt_bytes(n):

@@ -60,7 +60,7 @@ def _count(kind, nbytes):
 
 def shard_size(numel, world):
     """Elements per rank of a tensor of `numel` elements: ceil(numel / world) (the last shard padded)."""
-    return -(-numel // count("world", world))
+    return -(-count("numel", numel, 0) // count("world", world))
 
 
 def shard(t, rank, world):
@@ -80,6 +80,7 @@ def shard(t, rank, world):
 
 def unshard(shards, shape):
     """The inverse of `shard`: concatenate the ranks' shards, drop the padding, reshape to `shape`."""
+    shape = [count(f"shape[{i}]", n, 0) for i, n in enumerate(shape)]
     numel = torch.Size(shape).numel()
     return torch.cat([s.reshape(-1) for s in shards])[:numel].reshape(shape)
 
@@ -149,6 +150,21 @@ class _SavedWeight:
         self.i, self.size, self.stride, self.offset = i, t.size(), t.stride(), t.storage_offset()
 
 
+def _trainable(model):
+    """model's named parameters, once model is known to be a module with parameters, all trained, on ranks."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__} {model!r:.60}")
+    if not dist.is_initialized():
+        raise RuntimeError("labkit.zero needs a process group: labkit.launch.init() on ranks torchrun started, "
+                           "or `with labkit.launch.fake_ranks(n):` to measure one rank in this process")
+    named = list(model.named_parameters())
+    frozen = [n for n, p in named if not p.requires_grad]
+    if not named or frozen:
+        raise ValueError(f"model must have parameters, all of them trained (these engines update every one), got "
+                         + (f"{len(frozen)} frozen: {', '.join(frozen[:3])}" if frozen else "none"))
+    return named
+
+
 # ---- stage 0: DDP ------------------------------------------------------------------------------------
 class DDP:
     """Stage 0, plain data parallelism for `model` on the default process group: every rank holds the whole
@@ -163,9 +179,9 @@ class DDP:
     stage = 0
 
     def __init__(self, model, **adamw):
+        named = _trainable(model)
         self.model, self.tracker = model, None
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        named = list(model.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.weights = self.params                             # what this rank keeps of the weights
@@ -210,6 +226,8 @@ class DDP:
 
     def watch(self, tracker):
         """Label this engine's tensors in an `lk.track()` report, also those it makes later (or None)."""
+        if tracker is not None and not callable(getattr(tracker, "label", None)):
+            raise TypeError(f"tracker must be what lk.track() gives (or None), got {type(tracker).__name__} {tracker!r:.60}")
         self.tracker = tracker
         if tracker is not None:
             for category, tensors in self.states().items():

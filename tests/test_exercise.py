@@ -284,3 +284,31 @@ def test_nontrivial_names_what_is_wrong_with_odd_arrays_and_lists():
         lk.nontrivial(complex("nan"))
     with pytest.raises(TypeError, match="what must say what the value is, .*got None"):
         lk.nontrivial(np.arange(3), None)
+
+
+# ---- OpLog: what an answer ran, for the checks of 08 and 09 ----------------------------------------------------
+def test_oplog_sees_tensors_in_lists_and_keywords_and_no_data_in_meta_tensors():
+    from labkit.oplog import OpLog
+    x, out, meta = torch.randn(3, 4), torch.empty(3, 3), torch.empty(2, 2, device="meta")
+    with OpLog() as log:
+        torch.cat([x, x])                       # a list argument
+        torch.mm(x, x.T, out=out)               # a keyword argument
+        meta + 1
+    assert log.names()[0] == "cat" and log.ops[0].shapes == [(3, 4), (3, 4)]
+    assert log.read(x) and log.read(out) and not log.read(meta)
+    assert log.matmuls() == [((3, 4), (4, 3))]
+    assert not log.read(torch.randn(3, 4))       # a tensor no operation took
+
+
+def test_a_tracked_storage_dying_inside_the_check_is_no_call_of_the_answer():
+    """A tracker's weakref callback runs when a storage it counted dies, inside any block: a check cell run a
+    second time rebinds the globals that held the first run's models (notebook 01's exercise 2)."""
+    import labkit.memory
+    with lk.track():
+        t = torch.ones(1000)
+    with lk.exercise(1, "nothing to write", forbid=[labkit.memory]):
+        del t                                   # the closed tracker's callback runs here
+    with pytest.raises(AssertionError, match="your answer calls labkit.memory"):
+        with lk.exercise(1, "nothing to write", forbid=[labkit.memory]):
+            with lk.track():                    # a real call into the forbidden code is still refused
+                pass

@@ -293,6 +293,7 @@ BAD = [
     (attention(q=X.long(), k=X.long(), v=X.long()), TypeError, "q must be float32, float16 or bfloat16, got torch.int64"),
     (attention(k=torch.zeros(1, 2, 0, 32), v=torch.zeros(1, 2, 0, 32)), ValueError, r"k holds no keys \(shape \(1, 2, 0, 32\)\)"),
     (attention(sm_scale="abc"), TypeError, "sm_scale must be a finite number or None.*'abc'"),
+    (attention(sm_scale=float("nan")), ValueError, "sm_scale must be a finite number or None.*nan"),
     (attention(q=X.tolist()), TypeError, "q must be a torch.Tensor .*got list"),
     (attention(q=X.to("meta")), ValueError, "q is a meta tensor"),
     (attention(causal="yes"), ValueError, "causal must be True or False, got 'yes'"),

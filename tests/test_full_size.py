@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from labkit.device import CARD, HEADROOM
+from labkit.device import CARD, HEADROOM, LIMIT
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -93,7 +93,7 @@ def problems(notebook, result):
     name = pathlib.Path(notebook).name
     if "error" in result:
         return [f"{name}: {result['error']}"]
-    limit = CARD * (1 - HEADROOM)
+    limit = LIMIT
     out = []
     for step, got in result["steps"].items():
         if "error" in got:

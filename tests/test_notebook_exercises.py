@@ -624,7 +624,7 @@ def test_notebook_10s_exercise_checks_refuse_an_imported_library_function():
                                    "    return shard(sum(grads) / len(grads), rank, len(grads))")
     run_check(nb, second, dict(base), key(nb, "def states_per_param("))
     refused(nb, second, dict(base), "def states_per_param(stage, n):\n    from labkit.estimate import model_states as m\n"
-                                    "    return sum(m(10**6 * n, dp=n, zero=stage).values()) / (10**6 * n)")
+                                    "    return {c: b / (10**6 * n) for c, b in m(10**6 * n, dp=n, zero=stage).items()}")
 
 
 def test_notebook_10s_exercise_3_wants_the_gathered_weight_gone_after_forward():

@@ -126,6 +126,16 @@ def test_offload_rejects_bad_arguments(tmp_path):
         ActivationOffload("host", min_bytes=-1)
     with pytest.raises(TypeError, match="keep"):
         ActivationOffload("host", keep="model")
+    for bad, where in ((object(), "keep "), (np.ones(3), "keep "), ([5], r"keep\[0\]"), ([torch.nn.Linear(2, 2), "x"], r"keep\[1\]")):
+        with pytest.raises(TypeError, match=where):
+            ActivationOffload("host", keep=bad)
+
+
+def test_offload_keeps_what_an_iterator_of_parameters_names():
+    """keep=model.parameters() (a generator) keeps the weights, as keep=model does: none of them is moved."""
+    model = torch.nn.Linear(64, 64)
+    assert len(ActivationOffload("host", keep=model.parameters())._keep) == 2
+    assert ActivationOffload("host", keep=model.parameters())._keep == ActivationOffload("host", keep=model)._keep
 
 
 def test_host_adam_matches_adamw_and_keeps_no_state_on_the_device(llama, batch):

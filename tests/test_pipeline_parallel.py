@@ -2,10 +2,13 @@
 into balanced stages; and one torchrun of two ranks running the tensor-parallel layers, then the pipeline."""
 from fractions import Fraction
 
+import numpy as np
 import pytest
+import torch
 
+import labkit as lk
 from labkit.launch import launch
-from labkit.pipeline_parallel import balanced_split, gpipe, one_f_one_b, replay
+from labkit.pipeline_parallel import Stage, balanced_split, gpipe, loss_fn, one_f_one_b, replay
 
 
 def bubbles(timeline):
@@ -30,6 +33,46 @@ def test_replay_respects_dependencies_and_rejects_bad_orders():
         replay([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]], [{"F": 1, "B": 1}] * 2)
     with pytest.raises(ValueError, match="chunk kind must be 'F' or 'B', got 'W' on stage 0"):
         replay([[("W", 0)]], [{"F": 1, "B": 1}])
+    good = [{"F": 1, "B": 1}] * 2
+    for orders, costs, words in (
+            (gpipe(2, 2), good[:1], "costs must be a list of 2"),                      # a stage without costs
+            (gpipe(2, 2), [{"F": 1}] * 2, r"costs\[0\] must be"),                    # no backward's cost
+            (gpipe(2, 2), [{"F": -1, "B": 1}] * 2, r"costs\[0\]\['F'\] must be a finite number >= 0, got -1"),
+            (gpipe(2, 2), [{"F": float("nan"), "B": 1}] * 2, r"costs\[0\]\['F'\].*nan"),
+            ([[("F", 0), ("F", 0), ("B", 0)], gpipe(1, 1)[0]], good, r"orders\[0\] must hold"),   # a chunk twice
+            ([[("F", 0)], [("F", 0), ("B", 0)]], good, r"orders\[0\] must hold"),    # a backward on one stage only
+            ([[("F", "0"), ("B", "0")]], good[:1], "micro-batch on stage 0 must be an int")):
+        with pytest.raises(ValueError, match=words):
+            replay(orders, costs)
+
+
+def test_replay_times_a_forward_only_schedule():
+    """Forwards only on every stage (notebook 09 replays the seed's loop so): a pipeline of p stages over m
+    micro-batches ends at (m + p - 1) forwards; no backward's cost is needed."""
+    timeline = replay([[("F", c) for c in range(3)] for _ in range(2)], [{"F": 1}] * 2)
+    assert [[(k, c, start) for k, c, start, _ in stage] for stage in timeline] == [
+        [("F", 0, 0), ("F", 1, 1), ("F", 2, 2)], [("F", 0, 1), ("F", 1, 2), ("F", 2, 3)]]
+
+
+def test_schedules_and_stages_refuse_bad_counts():
+    for schedule in (gpipe, one_f_one_b):
+        for p, m in ((0, 3), (2, -1), (True, 2), (2.5, 2)):
+            with pytest.raises(ValueError, match="p must|m must"):
+                schedule(p, m)
+    assert one_f_one_b(np.int64(2), np.int64(2)) == one_f_one_b(2, 2)
+    assert all(type(c) is int for order in one_f_one_b(np.int64(2), 2) for _, c in order)
+    for costs in ([1, float("nan"), 3], [1, -2], {1: 2, 3: 4}, "123"):
+        with pytest.raises(ValueError, match="costs"):
+            balanced_split(costs, 2)
+    llama = lk.models.build("llama-2-7b", "tiny")
+    n = len(llama.model.layers)
+    for lo, hi in ((1, 1), (-1, 1), (0, n + 1)):
+        with pytest.raises(ValueError, match="lo"):
+            Stage(llama, lo, hi, first=True, last=True)
+    with pytest.raises(ValueError, match="first must be True or False"):
+        Stage(llama, 0, n, first="no", last=True)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        loss_fn(torch.zeros(1, 1, 8), torch.zeros(1, 1, dtype=torch.long))
 
 
 def test_balanced_split_minimises_the_largest_stage_and_refuses_bad_parts():

@@ -118,6 +118,8 @@ def test_show_gpu_says_in_one_line_that_no_record_exists_yet(tmp_path, capsys):
     assert records.show_gpu("tf32", folder=tmp_path / "absent") == []
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "No GPU record of the check 'tf32'" in out and "make gpu-smoke" in out
+    records.show_gpu("test-gpu:13_capstone_fit_what_does_not_fit", folder=tmp_path / "absent")
+    assert "`make test-gpu` on a CUDA GPU writes one" in capsys.readouterr().out      # make test-gpu's records
 
 
 def test_the_no_record_line_names_the_folder_it_read_and_any_failed_runs(tmp_path, capsys):

@@ -47,6 +47,22 @@ def test_a_tensor_parallel_rank_holds_its_share_of_the_blocks_and_the_rest_whole
         tensor_parallel.shard_llama(lk.models.build("llama-2-7b", "tiny"), rank=0, world=3)
 
 
+
+def test_shard_llama_refuses_a_world_that_is_not_the_group_or_splits_a_head():
+    model = lk.models.build("llama-2-7b", "tiny")
+    with pytest.raises(ValueError, match="world must be the process group's size .no group"):
+        tensor_parallel.shard_llama(model, rank=0, world=2)
+    with fake_ranks(2), pytest.raises(ValueError, match="world must be the process group's size .2., got 4"):
+        tensor_parallel.shard_llama(model, rank=0, world=4)
+    for rank, world in ((0, 0), (2, 2), (0, "2")):
+        with pytest.raises(ValueError, match="rank|world"):
+            tensor_parallel.shard_llama(model, rank=rank, world=world)
+    six = lk.models.build("llama-2-7b", "tiny", num_attention_heads=6, num_key_value_heads=6, hidden_size=96,
+                          head_dim=16)          # q, k, v: 96 features, divisible by 4 ranks; 6 heads are not
+    with fake_ranks(4), pytest.raises(ValueError, match=r"num_attention_heads \(6\) must divide by the world size 4"):
+        tensor_parallel.shard_llama(six, rank=0, world=4)
+
+
 def test_a_skipped_adam_step_is_refused():
     g = torch.randn(64, generator=torch.Generator().manual_seed(0))
     step = -1e-3 * g / (g.abs() + 1e-8)                  # Adam's first step, about lr * sign(g)

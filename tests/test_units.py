@@ -19,7 +19,7 @@ def test_parse_bytes(text, expected):
                                         (1.5, ValueError), (0.5, ValueError), (float("nan"), ValueError),
                                         (float("inf"), ValueError), ("1e400 GB", ValueError), ("0.5", ValueError),
                                         ("2 Gb", ValueError), ("8 Mib", ValueError), (Fraction(1, 2), ValueError),
-                                        ("2.5 B", ValueError), ("1.0001 KB", ValueError)])
+                                        ("2.5 B", ValueError), ("0.0001 KB", ValueError)])
 def test_parse_bytes_bad_input_names_argument(bad, error):
     with pytest.raises(error, match="budget"):
         parse_bytes(bad, "budget")
@@ -44,3 +44,14 @@ def test_a_string_that_is_not_a_whole_number_of_bytes_is_refused_not_truncated()
     with pytest.raises(ValueError, match=r"budget must be a whole number of bytes, got '2.5 B'"):
         parse_bytes("2.5 B", "budget")
     assert parse_bytes("1.1 KB") == 1100 and parse_bytes("0.5 KiB") == 512
+
+
+def test_a_string_in_a_larger_unit_is_rounded_down_to_whole_bytes():
+    """"21.6 GiB" (labkit.device.LIMIT as fmt_bytes prints it) is 23192823398.4 bytes: its whole bytes, as
+    LIMIT itself; a count of bytes or a number must be whole."""
+    import labkit as lk
+    assert parse_bytes("21.6 GiB") == lk.LIMIT == 23192823398 and parse_bytes("1.0001 KB") == 1000
+    with lk.budget("21.6 GiB") as mem:
+        assert mem.budget == lk.LIMIT
+    with pytest.raises(ValueError, match="whole number of bytes"):
+        parse_bytes(lk.CARD * (1 - lk.HEADROOM))

@@ -33,6 +33,13 @@ def test_bad_input_names_the_argument():
         zero.shard([1, 2], 0, 1)
     with pytest.raises(ValueError, match="stage must be one of \\(0, 1, 2, 3\\), got 4"):
         zero.engine(torch.nn.Linear(2, 2), 4)
+    for numel in (-5, 5.5, True):
+        with pytest.raises(ValueError, match=f"numel must be an int >= 0, got {numel}"):
+            zero.shard_size(numel, 2)
+    with pytest.raises(ValueError, match=r"shape\[0\] must be an int >= 0, got -1"):
+        zero.unshard([torch.arange(2), torch.arange(2, 4)], (-1,))
+    with pytest.raises(RuntimeError, match="needs a process group"):
+        zero.DDP(torch.nn.Linear(2, 2))
 
 
 def test_comm_volume_counts_an_all_reduce_twice():
@@ -107,6 +114,16 @@ def test_engine_errors_say_what_is_wrong(one_rank):
         zero.Zero3(model, units=[model, model[0]])
     with pytest.raises(RuntimeError, match="parameter 0.weight has no gradient: call backward\\(\\) before step\\(\\)"):
         zero.Zero1(mlp()).step()
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got NoneType"):
+        zero.engine(None, 1)
+    with pytest.raises(ValueError, match="model must have parameters, all of them trained .*, got none"):
+        zero.DDP(torch.nn.ReLU())
+    frozen = mlp().requires_grad_(False)
+    for stage in range(4):
+        with pytest.raises(ValueError, match="got 4 frozen: 0.weight, 0.bias, 2.weight"):
+            zero.engine(frozen, stage)
+    with pytest.raises(TypeError, match="tracker must be what lk.track.. gives .or None., got int 5"):
+        zero.DDP(mlp()).watch(5)
 
 
 @pytest.mark.parametrize("torch_names", ["2.13: *_single", "2.11: all_gather_into_tensor, reduce_scatter_tensor"])

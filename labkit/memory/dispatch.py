@@ -137,6 +137,9 @@ class DispatchTracker(Tracker, TorchDispatchMode):
             self._deltas.append(-nbytes)
             self.live -= nbytes
 
+    _free.runs_on_its_own = True             # a weakref callback, whatever code runs when a storage dies: lk.exercise
+                                             # does not count it as the answer's call
+
     def _label_grads(self):                  # Tracker's, its common case inlined: once per backward
         live, label = self._live, self._label
         for p in self._grad_params:

@@ -8,11 +8,12 @@ through the process group's Python methods, where `labkit.collectives.process_gr
 step puts every gradient in one bucket and then rebuilds the buckets in the order the gradients arrived, so the
 second step is counted, each bucket's bytes as the hook sees them. `bucket_cap_mb=None` is DDP's default: 25 MiB
 buckets after a first one of 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, used only when the cap is left
-to its default). Then REPEATS steps are timed, backward only (its all-reduces included: DDP's backward returns
-when every bucket is averaged), against the same model without DDP whose gradients are flattened and all-reduced
-once after backward, against backward alone and that one all-reduce alone, and against an all-reduce of 4 bytes
-(what every call costs however small: the latency). Times compared with each other are measured in turn in one
-loop (each DDP run beside backward alone), so that a shared machine's load changes them alike.
+to its default). Then REPEATS steps are timed (3 at tiny size, 5 at full), backward only (its all-reduces
+included: DDP's backward returns when every bucket is averaged), against the same model without DDP whose
+gradients are flattened and all-reduced once after backward, against backward alone and that one all-reduce
+alone, and against an all-reduce of 4 bytes (what every call costs however small: the latency). Times compared
+with each other are measured in turn in one loop (each DDP run beside backward alone), so that a shared
+machine's load changes them alike.
 """
 import functools
 import statistics
@@ -28,7 +29,8 @@ from labkit.collectives import process_group_calls
 from labkit.launch import finish, init, progress, write_result
 
 CAPS_MB = (0.25, 1, 4, None)             # None: DDP's default (1 MiB first, then 25 MiB); the tiny Llama's gradients: 7.25 MiB
-BATCH, SEQ, REPEATS = 2, 64, 5           # per rank
+BATCH, SEQ = 2, 64                       # per rank
+REPEATS = 3 if lk.size() == "tiny" else 5   # timed steps per median (tiny: CI's size, fewer rounds)
 
 
 def build(dev):

@@ -35,11 +35,11 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
-from labkit.device import CARD, HEADROOM
+from labkit.device import LIMIT
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GiB = 2**30
-FENCE_BYTES = int(CARD * (1 - HEADROOM))   # 21.6 GiB: what every notebook step promises to fit
+FENCE_BYTES = LIMIT   # 21.6 GiB: what every notebook step promises to fit
 BESIDE_BYTES = 2 * GiB          # per worker beyond its fence: the context, a notebook's own subprocesses
 KEEP_FREE_BYTES = 4 * GiB       # of the GPU, left to no worker
 CORES_PER_WORKER = 3

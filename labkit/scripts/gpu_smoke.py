@@ -868,7 +868,7 @@ def check_notebook(stem):
         beside = {n: sum(read[n]["beside"].values()) for n in todo}
         estimated = {n: lk.estimate(**{**read[n]["estimate"], "device": "cuda"}).total + beside[n] for n in todo}
         todo.sort(key=lambda n: -estimated[n])
-        limit = lk.CARD * (1 - lk.HEADROOM)
+        limit = lk.LIMIT
         ran, problems = {}, []
         for name in todo:
             if ran and ctx.left() < 20:

@@ -84,6 +84,34 @@ WRONG = {
                 optimizer.zero_grad(set_to_none=True)
                 return 8.0 + 4.0 * len(optimizer.state[next(model.parameters())])
             """),
+        ("00-ex2", "numbers typed in by the optimizer's name after a step, 16 for one not listed", """
+            def states_per_param(make_optimizer):
+                optimizer = make_optimizer(model.parameters())
+                ids = next(batches)
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                return {"sgd": 8.0, "sgd_momentum": 12.0, "adam": 16.0}.get(make_optimizer.__name__, 16.0)
+            """),
+        ("00-ex2", "numbers typed in by the optimizer's name after a step, Adafactor's factored state taken for none", """
+            def states_per_param(make_optimizer):
+                optimizer = make_optimizer(model.parameters())
+                ids = next(batches)
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                return {"sgd": 8.0, "sgd_momentum": 12.0, "adam": 16.0}.get(make_optimizer.__name__, 8.0)
+            """),
+        ("00-ex2", "4 x (2 + the parameter-sized tensors in the optimizer's state), counted after an untracked step", """
+            def states_per_param(make_optimizer):
+                optimizer = make_optimizer(model.parameters())
+                ids = next(batches)
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                p = next(model.parameters())
+                return 4.0 * (2 + sum(torch.is_tensor(t) and t.shape == p.shape for t in optimizer.state[p].values()))
+            """),
         ("00-ex3", "a constant: the answer for one limit", """
             def largest_batch(limit):
                 return 9
@@ -108,10 +136,46 @@ WRONG = {
             """),
     ],
     "01": [
-        ("01-ex1", "every parameter at 4 bytes, whatever its dtype", """
-            def state_bytes(parameters, optimizer):
-                copies = {"adamw": 4, "sgd-momentum": 3, "sgd": 2}[optimizer]
-                return sum(p.numel() * 4 * copies for p in parameters)
+        ("01-ex1", "every parameter at 4 bytes, whatever its dtype (the bf16 MLPs counted as fp32)", """
+            def amp_state_bytes(model):
+                states = sum(4 * p.numel() * 4 for p in model.parameters())
+                return states + sum(2 * m.weight.numel() for m in model.modules()
+                                    if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16)
+            """),
+        ("01-ex1", "a constant 16 bytes per parameter (ZeRO's count)", """
+            def amp_state_bytes(model):
+                return 16 * sum(p.numel() for p in model.parameters())
+            """),
+        ("01-ex1", "autocast's copies forgotten: the states alone", """
+            def amp_state_bytes(model):
+                return sum(4 * p.numel() * p.element_size() for p in model.parameters())
+            """),
+        ("01-ex1", "every parameter cast, not only the matmul (nn.Linear) weights", """
+            def amp_state_bytes(model):
+                return sum(4 * p.numel() * p.element_size() + 2 * p.numel() for p in model.parameters())
+            """),
+        ("01-ex1", "a copy of every Linear weight, the bf16 ones too", """
+            def amp_state_bytes(model):
+                states = sum(4 * p.numel() * p.element_size() for p in model.parameters())
+                return states + sum(2 * m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+            """),
+        ("01-ex1", "the copies counted in the weight's own dtype (4 bytes for an fp32 weight)", """
+            def amp_state_bytes(model):
+                states = sum(4 * p.numel() * p.element_size() for p in model.parameters())
+                return states + sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                                    if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16)
+            """),
+        ("01-ex1", "off by one: weight, gradient and one moment (3 copies)", """
+            def amp_state_bytes(model):
+                states = sum(3 * p.numel() * p.element_size() for p in model.parameters())
+                return states + sum(2 * m.weight.numel() for m in model.modules()
+                                    if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16)
+            """),
+        ("01-ex1", "off by one: a fifth copy (fp32 master weights on top of fp32 weights)", """
+            def amp_state_bytes(model):
+                states = sum(5 * p.numel() * p.element_size() for p in model.parameters())
+                return states + sum(2 * m.weight.numel() for m in model.modules()
+                                    if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16)
             """),
         ("01-ex2", "every save counted: a storage saved by several operations counted again", """
             def saved_bytes(model, ids):
@@ -159,6 +223,20 @@ WRONG = {
                 def pack(t):
                     if t.data_ptr() not in weights:
                         saved[t.data_ptr()] = t.untyped_storage().nbytes()
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = model(input_ids=ids, use_cache=False)
+                return sum(saved.values())
+            """),
+        ("01-ex2", "saves keyed by the tensor's data_ptr(), each at t.nbytes: Phi-3's v, a slice of the fused qkv", """
+            def saved_bytes(model, ids):
+                weights = {p.data_ptr() for p in model.parameters()}
+                saved = {}
+
+                def pack(t):
+                    if t.data_ptr() not in weights:
+                        saved[t.data_ptr()] = t.nbytes
                     return t
 
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -341,6 +419,25 @@ WRONG = {
                     self.adamw.step()
                     for p, m in zip(self.params, self.master):
                         m.copy_(p)
+
+                def zero_grad(self, set_to_none=True):
+                    for p in self.params:
+                        p.grad = None
+            """),
+        ("02-ex2", "the masters' fp32 gradients kept after the step: 4 bytes per weight more", """
+            class MasterWeights:
+                def __init__(self, params, lr, **adamw):
+                    self.params = list(params)
+                    self.master = [p.detach().float() for p in self.params]
+                    self.adamw = torch.optim.AdamW(self.master, lr=lr, **adamw)
+
+                @torch.no_grad()
+                def step(self):
+                    for p, m in zip(self.params, self.master):
+                        m.grad = p.grad.float()
+                    self.adamw.step()
+                    for p, m in zip(self.params, self.master):
+                        p.copy_(m)
 
                 def zero_grad(self, set_to_none=True):
                     for p in self.params:
@@ -531,6 +628,26 @@ WRONG = {
                 def unpack(self, packed):
                     return packed if isinstance(packed, torch.Tensor) else packed[0].float()
             """),
+        ("04-ex1", "the min_bytes rule left out: small tensors compressed too (issue 37 reader)", """
+            import weakref
+
+            class Bf16Hooks:
+                def __init__(self, weights, min_bytes=1024):
+                    self.weights, self.min_bytes, self.packed = weights, min_bytes, {}
+
+                def pack(self, t):
+                    st = t.untyped_storage()
+                    if t.dtype != torch.float32 or st.data_ptr() in self.weights:
+                        return t
+                    key = (id(st), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                    hit = self.packed.get(key)
+                    if hit is None or hit[0]() is not st:
+                        hit = self.packed[key] = (weakref.ref(st), (t.to(torch.bfloat16),))
+                    return hit[1]
+
+                def unpack(self, packed):
+                    return packed if isinstance(packed, torch.Tensor) else packed[0].float()
+            """),
         ("04-ex2", "a file of zeros the right size, the values kept in memory", """
             import os, uuid
             import numpy as np
@@ -708,6 +825,18 @@ WRONG = {
                     return -(-size // step) * step
                 return -(-size // 512) * 512
             """),
+        ("05-ex2", "one step too far: (size // step + 1) * step, wrong where the size is an exact multiple of a step (issue 37 reader)", """
+            def my_round_size(size, divisions):
+                if size < 512:
+                    return 512
+                if divisions > 1 and size > 512 * divisions:
+                    floor = 1 << (size.bit_length() - 1)
+                    if floor == size:
+                        return size
+                    step = floor // divisions
+                    return (size // step + 1) * step
+                return -(-size // 512) * 512
+            """),
     ],
     "06": [
         ("06-ex1", "the two codes of a byte in the wrong order (the first in the low nibble)", """
@@ -731,53 +860,252 @@ WRONG = {
                 codes = torch.round((x / absmax[:, None] + 1) * 7.5).flatten().to(torch.uint8)
                 return (codes[0::2] << 4) | codes[1::2], absmax
             """),
-        ("06-ex2", "a zero block divided by its zero scale: NaN", """
-            def int4_absmax(w, block=BLOCK):
-                x = w.reshape(-1, block)
-                scale = x.abs().amax(dim=1, keepdim=True) / 7
-                return (torch.round(x / scale).clamp(-7, 7) * scale).reshape(w.shape)
+        ("06-ex2", "no second scale: the absmax rounded to 127 levels of [0, 1] as if they never exceeded 1", """
+            def double_quant(absmax, block=256):
+                return torch.round(127 * absmax).clamp(-127, 127).to(torch.int8), torch.ones(absmax.numel() // block)
+
+            def double_dequant(codes, scales, block=256):
+                return codes.float() / 127
             """),
-        ("06-ex2", "16 levels, -8..7, with scale absmax / 8", """
-            def int4_absmax(w, block=BLOCK):
-                x = w.reshape(-1, block)
-                scale = x.abs().amax(dim=1, keepdim=True) / 8
-                q = torch.where(scale > 0, torch.round(x / scale.clamp_min(1e-30)), 0).clamp(-8, 7)
-                return (q * scale).reshape(w.shape)
+        ("06-ex2", "blocks of 64 absmax, not 256: four times the fp32 scales", """
+            def double_quant(absmax, block=64):
+                x = absmax.reshape(-1, block)
+                scales = x.abs().amax(dim=1)
+                return torch.round(127 * x / scales[:, None]).to(torch.int8).flatten(), scales
+
+            def double_dequant(codes, scales, block=64):
+                return (codes.reshape(-1, block).float() / 127 * scales[:, None]).flatten()
             """),
-        ("06-ex2", "one scale for the whole tensor, not one per block", """
-            def int4_absmax(w, block=BLOCK):
-                scale = w.abs().max() / 7
-                return (torch.round(w / scale).clamp(-7, 7) * scale).reshape(w.shape)
+        ("06-ex2", "one scale for all the absmax (per tensor), not one per block of 256", """
+            def double_quant(absmax, block=256):
+                scale = absmax.abs().max()
+                return torch.round(127 * absmax / scale).to(torch.int8), scale.reshape(1)
+
+            def double_dequant(codes, scales, block=256):
+                return codes.float() / 127 * scales
             """),
-        ("06-ex3", "a number typed in", """
-            def adapter_bytes(cfg, rank):
-                return 64
+        ("06-ex2", "one scale per tensor, repeated for every block of 256 (the bytes right, the scales not)", """
+            def double_quant(absmax, block=256):
+                scale = absmax.abs().max()
+                return torch.round(127 * absmax / scale).to(torch.int8), scale.repeat(absmax.numel() // block)
+
+            def double_dequant(codes, scales, block=256):
+                return (codes.reshape(-1, block).float() / 127 * scales[:, None]).flatten()
             """),
-        ("06-ex3", "k_proj and v_proj as wide as q_proj: grouped-query attention forgotten", """
-            def adapter_bytes(cfg, rank):
-                h, i = cfg.hidden_size, cfg.intermediate_size
-                projections = [(h, h)] * 4 + [(h, i), (h, i), (i, h)]
-                return cfg.num_hidden_layers * rank * sum(a + b for a, b in projections) * 12
+        ("06-ex1", "a constant: every code 0, the right scales", """
+            def nf4_quantize(w, block=BLOCK):
+                x = w.reshape(-1, block).float()
+                return torch.zeros(w.numel() // 2, dtype=torch.uint8), x.abs().amax(dim=1)
             """),
-        ("06-ex3", "the adapters' bf16 weights alone, no gradients or moments", """
-            def adapter_bytes(cfg, rank):
-                h, i = cfg.hidden_size, cfg.intermediate_size
-                kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
-                projections = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
-                return cfg.num_hidden_layers * rank * sum(a + b for a, b in projections) * 2
+        ("06-ex1", "the block's signed maximum as its scale (abs forgotten)", """
+            def nf4_quantize(w, block=BLOCK):
+                x = w.reshape(-1, block).float()
+                absmax = x.amax(dim=1)
+                codes = (x[..., None] / absmax[:, None, None] - NF4).abs().argmin(-1).flatten().to(torch.uint8)
+                return (codes[0::2] << 4) | codes[1::2], absmax
             """),
-        ("06-ex3", "LoRA's usual q_proj and v_proj only", """
-            def adapter_bytes(cfg, rank):
-                h = cfg.hidden_size
-                kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
-                return cfg.num_hidden_layers * rank * ((h + h) + (h + kv)) * 12
+        ("06-ex2", "the absmax kept in fp32 as their own codes: no double quantization (4.5 bits)", """
+            def double_quant(absmax, block=256):
+                return absmax.clone(), absmax.reshape(-1, block).abs().amax(dim=1)
+
+            def double_dequant(codes, scales, block=256):
+                return codes
             """),
-        ("06-ex3", "weights and moments, the gradients forgotten (10 bytes per adapter parameter)", """
-            def adapter_bytes(cfg, rank):
-                h, i = cfg.hidden_size, cfg.intermediate_size
-                kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
-                projections = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
-                return cfg.num_hidden_layers * rank * sum(a + b for a, b in projections) * 10
+        ("06-ex2", "a constant: every code 0, the right scales", """
+            def double_quant(absmax, block=256):
+                return torch.zeros(absmax.numel(), dtype=torch.int8), absmax.reshape(-1, block).abs().amax(dim=1)
+
+            def double_dequant(codes, scales, block=256):
+                return (codes.reshape(-1, block).float() / 127 * scales[:, None]).flatten()
+            """),
+        ("06-ex2", "rounded toward zero (trunc), not to the nearest level", """
+            def double_quant(absmax, block=256):
+                x = absmax.reshape(-1, block)
+                scales = x.abs().amax(dim=1)
+                return (127 * x / scales[:, None]).to(torch.int8).flatten(), scales
+
+            def double_dequant(codes, scales, block=256):
+                return (codes.reshape(-1, block).float() / 127 * scales[:, None]).flatten()
+            """),
+        ("06-ex2", "decoded without the 1/127: codes times scales", """
+            def double_quant(absmax, block=256):
+                x = absmax.reshape(-1, block)
+                scales = x.abs().amax(dim=1)
+                return torch.round(127 * x / scales[:, None]).to(torch.int8).flatten(), scales
+
+            def double_dequant(codes, scales, block=256):
+                return (codes.reshape(-1, block).float() * scales[:, None]).flatten()
+            """),
+        ("06-ex2", "the scales kept in bf16: 16 bits per 256 absmax, not the fp32 bitsandbytes stores", """
+            def double_quant(absmax, block=256):
+                x = absmax.reshape(-1, block)
+                scales = x.abs().amax(dim=1)
+                return torch.round(127 * x / scales[:, None]).to(torch.int8).flatten(), scales.bfloat16()
+
+            def double_dequant(codes, scales, block=256):
+                return (codes.reshape(-1, block).float() / 127 * scales[:, None].float()).flatten()
+            """),
+        ("06-ex3", "the two codes of a byte decoded in the wrong order (low nibble first)", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    self.register_buffer("packed", packed.flatten())
+                    self.register_buffer("absmax", absmax.flatten())
+                    self.shape, self.scale = tuple(shape), alpha / rank
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]) / math.sqrt(shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    codes = torch.stack([self.packed & 0xF, self.packed >> 4], dim=-1).flatten().long()
+                    w = (NF4[codes].reshape(-1, BLOCK) * self.absmax[:, None]).reshape(self.shape)
+                    return x @ w.T + (x @ self.A.T @ self.B.T) * self.scale
+            """),
+        ("06-ex3", "the adapter's alpha / rank scale forgotten", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    self.register_buffer("packed", packed.flatten())
+                    self.register_buffer("absmax", absmax.flatten())
+                    self.shape, self.scale = tuple(shape), alpha / rank
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]) / math.sqrt(shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    codes = torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).flatten().long()
+                    w = (NF4[codes].reshape(-1, BLOCK) * self.absmax[:, None]).reshape(self.shape)
+                    return x @ w.T + x @ self.A.T @ self.B.T
+            """),
+        ("06-ex3", "the scale alpha, not alpha / rank", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    self.register_buffer("packed", packed.flatten())
+                    self.register_buffer("absmax", absmax.flatten())
+                    self.shape, self.scale = tuple(shape), alpha / rank
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]) / math.sqrt(shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    codes = torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).flatten().long()
+                    w = (NF4[codes].reshape(-1, BLOCK) * self.absmax[:, None]).reshape(self.shape)
+                    return x @ w.T + (x @ self.A.T @ self.B.T) * self.scale * self.A.shape[0]
+            """),
+        ("06-ex3", "B initialised at random like A: the layer does not start as its base", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    self.register_buffer("packed", packed.flatten())
+                    self.register_buffer("absmax", absmax.flatten())
+                    self.shape, self.scale = tuple(shape), alpha / rank
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]) / math.sqrt(shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+                    self.B = torch.nn.Parameter(torch.randn(shape[0], rank) / math.sqrt(rank))
+
+                def forward(self, x):
+                    codes = torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).flatten().long()
+                    w = (NF4[codes].reshape(-1, BLOCK) * self.absmax[:, None]).reshape(self.shape)
+                    return x @ w.T + (x @ self.A.T @ self.B.T) * self.scale
+            """),
+        ("06-ex3", "the base forgotten: the adapter alone", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    self.register_buffer("packed", packed.flatten())
+                    self.register_buffer("absmax", absmax.flatten())
+                    self.shape, self.scale = tuple(shape), alpha / rank
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]) / math.sqrt(shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    return (x @ self.A.T @ self.B.T) * self.scale
+            """),
+        ("06-ex3", "one absmax for the whole weight instead of one per block", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    self.register_buffer("packed", packed.flatten())
+                    self.register_buffer("absmax", absmax.flatten())
+                    self.shape, self.scale = tuple(shape), alpha / rank
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]) / math.sqrt(shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    codes = torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).flatten().long()
+                    w = (NF4[codes] * self.absmax.max()).reshape(self.shape)
+                    return x @ w.T + (x @ self.A.T @ self.B.T) * self.scale
+            """),
+        ("06-ex3", "the decoded weight made a trainable Parameter: the base gets a gradient", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    codes = torch.stack([packed.flatten() >> 4, packed.flatten() & 0xF], dim=-1).flatten().long()
+                    w = (NF4[codes].reshape(-1, BLOCK) * absmax.flatten()[:, None]).reshape(shape)
+                    self.weight = torch.nn.Parameter(w)
+                    self.shape, self.scale = tuple(shape), alpha / rank
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]) / math.sqrt(shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    return x @ self.weight.T + (x @ self.A.T @ self.B.T) * self.scale
+            """),
+        ("06-ex3", "decoded once and kept as a frozen Parameter: a copy that saves nothing, no buffer counted", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    codes = torch.stack([packed.flatten() >> 4, packed.flatten() & 0xF], dim=-1).flatten().long()
+                    w = (NF4[codes].reshape(-1, BLOCK) * absmax.flatten()[:, None]).reshape(shape)
+                    self.weight = torch.nn.Parameter(w, requires_grad=False)
+                    self.shape, self.scale = tuple(shape), alpha / rank
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]) / math.sqrt(shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    return x @ self.weight.T + (x @ self.A.T @ self.B.T) * self.scale
+            """),
+        ("06-ex3", "the 4-bit bytes kept, and a decoded copy too, in a list attribute", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    self.register_buffer("packed", packed.flatten())
+                    self.register_buffer("absmax", absmax.flatten())
+                    codes = torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).flatten().long()
+                    self.cache = [(NF4[codes].reshape(-1, BLOCK) * self.absmax[:, None]).reshape(shape)]
+                    self.shape, self.scale = tuple(shape), alpha / rank
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]) / math.sqrt(shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    return x @ self.cache[0].T + (x @ self.A.T @ self.B.T) * self.scale
+            """),
+        ("06-ex3", "decoded at the first forward and cached for the next ones", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    self.register_buffer("packed", packed.flatten())
+                    self.register_buffer("absmax", absmax.flatten())
+                    self.shape, self.scale, self.w = tuple(shape), alpha / rank, None
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]) / math.sqrt(shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    if self.w is None:
+                        codes = torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).flatten().long()
+                        self.w = (NF4[codes].reshape(-1, BLOCK) * self.absmax[:, None]).reshape(self.shape)
+                    return x @ self.w.T + (x @ self.A.T @ self.B.T) * self.scale
+            """),
+        ("06-ex3", "decoded once into an fp32 buffer: a copy that saves nothing", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    codes = torch.stack([packed.flatten() >> 4, packed.flatten() & 0xF], dim=-1).flatten().long()
+                    w = (NF4[codes].reshape(-1, BLOCK) * absmax.flatten()[:, None]).reshape(shape)
+                    self.register_buffer("weight", w)
+                    self.shape, self.scale = tuple(shape), alpha / rank
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]) / math.sqrt(shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    return x @ self.weight.T + (x @ self.A.T @ self.B.T) * self.scale
             """),
     ],
     "07": [
@@ -837,6 +1165,112 @@ WRONG = {
                     table[-1] = fresh
                 elif length % allocator.block_size == 0:
                     table.append(allocator.allocate())
+                return length + 1
+            """),
+        ("07-ex1", "the whole prefix's tokens hashed for each block, no chain of hashes", """
+            def my_block_hashes(token_ids, block_size):
+                return [hash(tuple(token_ids[:end]))
+                        for end in range(block_size, len(token_ids) + 1, block_size)]
+            """),
+        ("07-ex1", "off by one: a prompt of whole blocks loses its last block", """
+            def my_block_hashes(token_ids, block_size):
+                hashes, previous = [], None
+                for start in range(0, len(token_ids) - block_size, block_size):
+                    previous = hash((previous, tuple(token_ids[start:start + block_size])))
+                    hashes.append(previous)
+                return hashes
+            """),
+        ("07-ex2", "> instead of >=: a request that leaves exactly the watermark free waits", """
+            def admission(free_blocks, total_blocks, need, watermark_blocks):
+                if total_blocks - need < watermark_blocks:
+                    return NEVER
+                return NOW if free_blocks - need > watermark_blocks else LATER
+            """),
+        ("07-ex2", "<= instead of <: a request that fits the empty pool with exactly the watermark left is NEVER", """
+            def admission(free_blocks, total_blocks, need, watermark_blocks):
+                if total_blocks - need <= watermark_blocks:
+                    return NEVER
+                return NOW if free_blocks - need >= watermark_blocks else LATER
+            """),
+        ("07-ex2", "never NEVER: a request larger than the pool waits forever", """
+            def admission(free_blocks, total_blocks, need, watermark_blocks):
+                return NOW if free_blocks - need >= watermark_blocks else LATER
+            """),
+        ("07-ex2", "NOW judged by the whole pool instead of the free blocks", """
+            def admission(free_blocks, total_blocks, need, watermark_blocks):
+                if total_blocks - need < watermark_blocks:
+                    return NEVER
+                return NOW if total_blocks - need >= watermark_blocks else LATER
+            """),
+        ("07-ex3", "one block per token", """
+            def my_append(allocator, table, length, count):
+                for _ in range(count):
+                    table.append(allocator.allocate())
+                return length + count
+            """),
+        ("07-ex3", "a new block when the last one is exactly full but nothing is written to it yet (<=)", """
+            def my_append(allocator, table, length, count):
+                while len(table) * allocator.block_size <= length + count:
+                    table.append(allocator.allocate())
+                return length + count
+            """),
+        ("07-ex3", "not all or nothing: blocks taken one by one until the pool runs dry", """
+            def my_append(allocator, table, length, count):
+                while len(table) * allocator.block_size < length + count:
+                    table.append(allocator.allocate())
+                return length + count
+            """),
+        ("07-ex3", "off by one: OutOfBlocks when the request needs exactly the free blocks", """
+            def my_append(allocator, table, length, count):
+                need = -(-(length + count) // allocator.block_size) - len(table)
+                if need > 0 and need >= allocator.num_free:
+                    raise OutOfBlocks(f"{need} blocks needed, {allocator.num_free} are free")
+                for _ in range(need):
+                    table.append(allocator.allocate())
+                return length + count
+            """),
+        ("07-ex4", "a shared last block copied even when it is full (a new block was due)", """
+            def my_write_token(allocator, table, length, copies):
+                if table and allocator.ref_count[table[-1]] > 1:
+                    fresh = allocator.allocate()
+                    copies.append((table[-1], fresh))
+                    allocator.free(table[-1])
+                    table[-1] = fresh
+                elif length % allocator.block_size == 0:
+                    table.append(allocator.allocate())
+                return length + 1
+            """),
+        ("07-ex4", "a private block taken, the copy never handed to the engine: the values are lost", """
+            def my_write_token(allocator, table, length, copies):
+                if length % allocator.block_size and allocator.ref_count[table[-1]] > 1:
+                    fresh = allocator.allocate()
+                    allocator.free(table[-1])
+                    table[-1] = fresh
+                elif length % allocator.block_size == 0:
+                    table.append(allocator.allocate())
+                return length + 1
+            """),
+        ("07-ex4", "shared means exactly two owners: a block three sequences hold is written in place", """
+            def my_write_token(allocator, table, length, copies):
+                if length % allocator.block_size and allocator.ref_count[table[-1]] == 2:
+                    fresh = allocator.allocate()
+                    copies.append((table[-1], fresh))
+                    allocator.free(table[-1])
+                    table[-1] = fresh
+                elif length % allocator.block_size == 0:
+                    table.append(allocator.allocate())
+                return length + 1
+            """),
+        ("07-ex4", "every shared block of the table copied, not only the last one written into", """
+            def my_write_token(allocator, table, length, copies):
+                if length % allocator.block_size == 0:
+                    table.append(allocator.allocate())
+                for i, block in enumerate(table):
+                    if allocator.ref_count[block] > 1:
+                        fresh = allocator.allocate()
+                        copies.append((block, fresh))
+                        allocator.free(block)
+                        table[i] = fresh
                 return length + 1
             """),
     ],
@@ -970,6 +1404,31 @@ WRONG = {
                     l, acc, m = l * alpha + p.sum(-1), acc * alpha[..., None] + p @ vb, m_new
                 return (acc / l[..., None]).to(q.dtype)
             """),
+        ("08-ex1", "each tile's masked scores joined into a block x N strip, max and sum taken over it whole: no online softmax (issue 37 reader)", """
+            def tiled_causal(q, k, v, block=64):
+                N, scale = q.shape[-2], 1 / math.sqrt(q.shape[-1])
+                out = torch.empty(q.shape, device=q.device)
+                for i in range(0, N, block):
+                    qi, rows = q[..., i:i + block, :].float(), torch.arange(i, min(i + block, N), device=q.device)
+                    tiles = []
+                    for j in range(0, i + block, block):
+                        s = (qi @ k[..., j:j + block, :].float().transpose(-1, -2)) * scale
+                        cols = torch.arange(j, min(j + block, N), device=q.device)
+                        tiles.append(s.masked_fill(cols[None, :] > rows[:, None], float("-inf")))
+                    s = torch.cat(tiles, -1)
+                    p = torch.exp(s - s.amax(-1, keepdim=True))
+                    acc = sum(p[..., j:j + block] @ v[..., j:j + block, :].float() for j in range(0, s.shape[-1], block))
+                    out[..., i:i + block, :] = acc / p.sum(-1)[..., None]
+                return out.to(q.dtype)
+            """),
+        ("08-ex3", "torch.softmax over the log-sum-exps, then a weighted sum: the max-subtraction left to softmax (issue 37 reader)", """
+            def combine(o_parts, lse_parts):
+                return (torch.softmax(lse_parts, dim=-1)[..., None] * o_parts).sum(-2)
+            """),
+        ("08-ex3", "weights from logsumexp: exp(lse - logsumexp(lse)), the max-subtraction left to logsumexp", """
+            def combine(o_parts, lse_parts):
+                return (torch.exp(lse_parts - lse_parts.logsumexp(-1, keepdim=True))[..., None] * o_parts).sum(-2)
+            """),
     ],
     "09": [
         ("09-ex1", "the bias added by every rank before the all-reduce", """
@@ -979,6 +1438,32 @@ WRONG = {
         ("09-ex1", "W split by its rows (column-parallel): each product still sees every input feature", """
             def row_parallel(x, weight, bias, world):
                 return torch.cat([x @ wr.T for wr in weight.chunk(world, dim=0)], dim=-1) + bias
+            """),
+        ("09-ex1", "torch.chunk's shards: 10 ranks on 384 features get nine of 39 and one of 33, not shards within one", """
+            def row_parallel(x, weight, bias, world):
+                partials = [xr @ wr.T for xr, wr in zip(x.chunk(world, dim=-1), weight.chunk(world, dim=1))]
+                return sum(partials) + bias
+            """),
+        ("09-ex1", "the unsharded layer: one product over every input feature", """
+            def row_parallel(x, weight, bias, world):
+                return F.linear(x, weight, bias)
+            """),
+        ("09-ex1", "the remainder all on the last rank: n // world features each, the rest to rank world - 1", """
+            def row_parallel(x, weight, bias, world):
+                n, size = weight.shape[1], weight.shape[1] // world
+                bounds = [r * size for r in range(world)] + [n]
+                return sum(x[..., a:b] @ weight[:, a:b].T for a, b in zip(bounds, bounds[1:])) + bias
+            """),
+        ("09-ex1", "off-by-one boundaries: each slice runs one feature past its end, overlapping the next rank's", """
+            def row_parallel(x, weight, bias, world):
+                n = weight.shape[1]
+                bounds = [r * (n // world) + min(r, n % world) for r in range(world + 1)]
+                return sum(x[..., a:b + 1] @ weight[:, a:b + 1].T for a, b in zip(bounds, bounds[1:])) + bias
+            """),
+        ("09-ex1", "the remainder dropped: world slices of n // world features, the last n % world never multiplied", """
+            def row_parallel(x, weight, bias, world):
+                size = weight.shape[1] // world
+                return sum(x[..., r * size:(r + 1) * size] @ weight[:, r * size:(r + 1) * size].T for r in range(world)) + bias
             """),
         ("09-ex2", "Megatron's bubble fraction (p - 1) / m, not the idle share of the step", """
             def smallest_microbatches(p, target):
@@ -1090,7 +1575,7 @@ WRONG = {
                     grads /= n
                 if stage >= 3:
                     weights /= n
-                return weights + grads + adam
+                return {"parameters": weights, "gradients": grads, "optimizer": adam}
             """),
         ("10-ex2", "ZeRO-2 sharding the weights too", """
             def states_per_param(stage, n):
@@ -1100,11 +1585,38 @@ WRONG = {
                 if stage >= 2:
                     grads /= n
                     weights /= n
-                return weights + grads + adam
+                return {"parameters": weights, "gradients": grads, "optimizer": adam}
+            """),
+        ("10-ex2", "ZeRO-2 sharding the weights instead of the gradients (the same total)", """
+            def states_per_param(stage, n):
+                weights, grads, adam = 2, 2, 12
+                if stage >= 1:
+                    adam /= n
+                if stage >= 2:
+                    weights /= n
+                if stage >= 3:
+                    grads /= n
+                return {"parameters": weights, "gradients": grads, "optimizer": adam}
+            """),
+        ("10-ex2", "the fp32 master weights counted as parameters, not optimizer state (the same total)", """
+            def states_per_param(stage, n):
+                weights, grads, adam = 6, 2, 8
+                if stage >= 1:
+                    adam /= n
+                    weights = 2 + 4 / n
+                if stage >= 2:
+                    grads /= n
+                if stage >= 3:
+                    weights = 6 / n
+                return {"parameters": weights, "gradients": grads, "optimizer": adam}
+            """),
+        ("10-ex2", "the total in one number, not by category", """
+            def states_per_param(stage, n):
+                return 2 + (2 if stage < 2 else 2 / n) + (12 if stage < 1 else 12 / n) - (0 if stage < 3 else 2 - 2 / n)
             """),
         ("10-ex2", "DDP's 16 bytes whatever the stage: the sharding left out (REVIEW8)", """
             def states_per_param(stage, n):
-                return 2 + 2 + 12
+                return {"parameters": 2, "gradients": 2, "optimizer": 12}
             """),
         ("10-ex3", "a note that keeps a full copy of the weight: nothing saved", """
             def pack(t):
@@ -1135,6 +1647,96 @@ WRONG = {
                 if isinstance(saved, torch.Tensor):
                     return saved
                 return saved[1]
+            """),
+        ("10-ex4", "each rank keeps the whole master and optimizer state, updates everything, returns its slice", """
+            def zero1_init(flat, rank, world, make_optimizer):
+                master = flat.detach().clone()
+                return master, make_optimizer([master])
+
+            def zero1_step(master, opt, grads, rank):
+                world = len(grads)
+                master.grad = torch.stack(grads).mean(0)
+                opt.step()
+                size = -(-master.numel() // world)
+                return torch.cat([master, master.new_zeros(size * world - master.numel())])[rank * size:(rank + 1) * size]
+            """),
+        ("10-ex4", "off-by-one boundaries: floor(numel / N) per rank, the last rank takes the rest", """
+            def zero1_init(flat, rank, world, make_optimizer):
+                size = flat.numel() // world
+                hi = flat.numel() if rank == world - 1 else (rank + 1) * size
+                master = flat.detach()[rank * size:hi].clone()
+                return master, make_optimizer([master])
+
+            def zero1_step(master, opt, grads, rank):
+                world = len(grads)
+                mean = torch.stack(grads).mean(0)
+                size = mean.numel() // world
+                hi = mean.numel() if rank == world - 1 else (rank + 1) * size
+                master.grad = mean[rank * size:hi].clone()
+                opt.step()
+                return master
+            """),
+        ("10-ex4", "torch.chunk's pieces: no padding, the last rank's shorter", """
+            def zero1_init(flat, rank, world, make_optimizer):
+                master = flat.detach().clone().chunk(world)[rank].clone()
+                return master, make_optimizer([master])
+
+            def zero1_step(master, opt, grads, rank):
+                master.grad = torch.stack(grads).mean(0).chunk(len(grads))[rank].clone()
+                opt.step()
+                return master
+            """),
+        ("10-ex4", "the master a view of a padded copy of the whole: right values, nothing saved", """
+            def zero1_init(flat, rank, world, make_optimizer):
+                size = -(-flat.numel() // world)
+                padded = torch.cat([flat.detach(), flat.new_zeros(size * world - flat.numel())])
+                master = padded[rank * size:(rank + 1) * size]
+                return master, make_optimizer([master])
+
+            def zero1_step(master, opt, grads, rank):
+                master.grad = my_reduce_scatter(grads, rank).float()
+                opt.step()
+                master.grad = None
+                return master
+            """),
+        ("10-ex4", "the sum of the ranks' gradients, not the average (SGD with momentum tells them apart)", """
+            def zero1_init(flat, rank, world, make_optimizer):
+                size = -(-flat.numel() // world)
+                master = torch.zeros(size)
+                piece = flat.detach()[rank * size:(rank + 1) * size]
+                master[:piece.numel()] = piece
+                return master, make_optimizer([master])
+
+            def zero1_step(master, opt, grads, rank):
+                master.grad = my_reduce_scatter(grads, rank) * len(grads)
+                opt.step()
+                return master
+            """),
+        ("10-ex4", "the rank's own gradient's shard, never reduced over the ranks", """
+            def zero1_init(flat, rank, world, make_optimizer):
+                size = -(-flat.numel() // world)
+                master = torch.zeros(size)
+                piece = flat.detach()[rank * size:(rank + 1) * size]
+                master[:piece.numel()] = piece
+                return master, make_optimizer([master])
+
+            def zero1_step(master, opt, grads, rank):
+                world, size = len(grads), master.numel()
+                own = torch.cat([grads[rank], grads[rank].new_zeros(size * world - grads[rank].numel())])
+                master.grad = own[rank * size:(rank + 1) * size]
+                opt.step()
+                return master
+            """),
+        ("10-ex4", "a constant: the shard returned as it was, never stepped", """
+            def zero1_init(flat, rank, world, make_optimizer):
+                size = -(-flat.numel() // world)
+                master = torch.zeros(size)
+                piece = flat.detach()[rank * size:(rank + 1) * size]
+                master[:piece.numel()] = piece
+                return master, make_optimizer([master])
+
+            def zero1_step(master, opt, grads, rank):
+                return master
             """),
     ],
     "11": [
@@ -1358,6 +1960,228 @@ WRONG = {
         ("13-ex2", "fp32 gradients and weights over PCIe", """
             def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
                 return (4 * params * accum + 4 * params) / (pcie_bps / 2) + 2 * 16 * params / cpu_bps
+            """),
+        ("13-ex3", "the step after backward: every gradient alive at once", """
+            def train_fused(model, batches, lr):
+                model.gradient_checkpointing_enable(dict(use_reentrant=False))
+                opts = [torch.optim.AdamW([p], lr=lr, foreach=False) for p in model.parameters() if p.requires_grad]
+                losses = []
+                for ids in batches:
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                    loss.backward()
+                    for opt in opts:
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                    losses.append(loss.item())
+                return losses
+            """),
+        ("13-ex3", "hooks that step but leave the gradient in .grad (nothing saved)", """
+            def train_fused(model, batches, lr):
+                model.gradient_checkpointing_enable(dict(use_reentrant=False))
+                opts = {p: torch.optim.AdamW([p], lr=lr, foreach=False) for p in model.parameters() if p.requires_grad}
+                hooks = [p.register_post_accumulate_grad_hook(lambda p: opts[p].step()) for p in opts]
+                losses = []
+                for ids in batches:
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                    loss.backward()
+                    losses.append(loss.item())
+                for hook in hooks:
+                    hook.remove()
+                return losses
+            """),
+        ("13-ex3", "gradients zeroed in the hook, not freed (zero_grad(set_to_none=False))", """
+            def train_fused(model, batches, lr):
+                model.gradient_checkpointing_enable(dict(use_reentrant=False))
+                opts = {p: torch.optim.AdamW([p], lr=lr, foreach=False) for p in model.parameters() if p.requires_grad}
+                def step(p):
+                    opts[p].step()
+                    opts[p].zero_grad(set_to_none=False)
+                hooks = [p.register_post_accumulate_grad_hook(step) for p in opts]
+                losses = []
+                for ids in batches:
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                    loss.backward()
+                    losses.append(loss.item())
+                for hook in hooks:
+                    hook.remove()
+                return losses
+            """),
+        ("13-ex3", "one AdamW over all parameters, stepped in the last hook", """
+            def train_fused(model, batches, lr):
+                model.gradient_checkpointing_enable(dict(use_reentrant=False))
+                params = [p for p in model.parameters() if p.requires_grad]
+                opt = torch.optim.AdamW(params, lr=lr, foreach=False)
+                seen = []
+                def step(p):
+                    seen.append(p)
+                    if len(seen) == len(params):
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                        seen.clear()
+                hooks = [p.register_post_accumulate_grad_hook(step) for p in params]
+                losses = []
+                for ids in batches:
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                    loss.backward()
+                    losses.append(loss.item())
+                for hook in hooks:
+                    hook.remove()
+                return losses
+            """),
+        ("13-ex3", "every gradient from torch.autograd.grad at once, then each parameter stepped", """
+            def train_fused(model, batches, lr):
+                model.gradient_checkpointing_enable(dict(use_reentrant=False))
+                params = [p for p in model.parameters() if p.requires_grad]
+                opts = {p: torch.optim.AdamW([p], lr=lr, foreach=False) for p in params}
+                losses = []
+                for ids in batches:
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                    for p, g in zip(params, torch.autograd.grad(loss, params)):
+                        p.grad = g
+                        opts[p].step()
+                        p.grad = None
+                    losses.append(loss.item())
+                return losses
+            """),
+        ("13-ex3", "nothing done: None returned", """
+            def train_fused(model, batches, lr):
+                pass
+            """),
+        ("13-ex3", "no step: the losses of the unchanged model", """
+            def train_fused(model, batches, lr):
+                return [model(input_ids=ids, labels=ids, use_cache=False).loss.item() for ids in batches]
+            """),
+        ("13-ex3", "labkit's own fused step (labkit.plan.verify.Step)", """
+            def train_fused(model, batches, lr):
+                from labkit.plan.verify import Step, prepare
+                step = Step(prepare(model, "finetune", dict(recompute=True)), dict(dtype="bf16", fused_step=True),
+                            DEVICE.type, opt_state=False, lr=lr)
+                losses = [step.micro_batch(ids).item() for ids in batches]
+                for hook in step.hooks:
+                    hook.remove()
+                return losses
+            """),
+        ("13-ex3", "the fused step without recomputation", """
+            def train_fused(model, batches, lr):
+                opts = {p: torch.optim.AdamW([p], lr=lr, foreach=False) for p in model.parameters() if p.requires_grad}
+                def step(p):
+                    opts[p].step()
+                    opts[p].zero_grad(set_to_none=True)
+                hooks = [p.register_post_accumulate_grad_hook(step) for p in opts]
+                losses = []
+                for ids in batches:
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                    loss.backward()
+                    losses.append(loss.item())
+                for hook in hooks:
+                    hook.remove()
+                return losses
+            """),
+        ("13-ex3", "the MLPs checkpointed alone (notebook 03's exercise 2), not full recomputation", """
+            from torch.utils.checkpoint import checkpoint
+
+            class Checkpointed(torch.nn.Module):
+                def __init__(self, inner):
+                    super().__init__()
+                    self.inner = inner
+
+                def forward(self, *args, **kwargs):
+                    return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+            def train_fused(model, batches, lr):
+                for layer in model.model.layers:
+                    layer.mlp = Checkpointed(layer.mlp)
+                opts = {p: torch.optim.AdamW([p], lr=lr, foreach=False) for p in model.parameters() if p.requires_grad}
+                def step(p):
+                    opts[p].step()
+                    opts[p].zero_grad(set_to_none=True)
+                hooks = [p.register_post_accumulate_grad_hook(step) for p in opts]
+                losses = []
+                for ids in batches:
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                    loss.backward()
+                    losses.append(loss.item())
+                for hook in hooks:
+                    hook.remove()
+                return losses
+            """),
+        ("13-ex3", "the attention checkpointed alone, not full recomputation", """
+            from torch.utils.checkpoint import checkpoint
+
+            class Checkpointed(torch.nn.Module):
+                def __init__(self, inner):
+                    super().__init__()
+                    self.inner = inner
+
+                def forward(self, *args, **kwargs):
+                    return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+            def train_fused(model, batches, lr):
+                for layer in model.model.layers:
+                    layer.self_attn = Checkpointed(layer.self_attn)
+                opts = {p: torch.optim.AdamW([p], lr=lr, foreach=False) for p in model.parameters() if p.requires_grad}
+                def step(p):
+                    opts[p].step()
+                    opts[p].zero_grad(set_to_none=True)
+                hooks = [p.register_post_accumulate_grad_hook(step) for p in opts]
+                losses = []
+                for ids in batches:
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                    loss.backward()
+                    losses.append(loss.item())
+                for hook in hooks:
+                    hook.remove()
+                return losses
+            """),
+        ("13-ex3", "new optimizers (and hooks) for every batch: Adam's moments lost", """
+            def train_fused(model, batches, lr):
+                model.gradient_checkpointing_enable(dict(use_reentrant=False))
+                losses = []
+                for ids in batches:
+                    opts = {p: torch.optim.AdamW([p], lr=lr, foreach=False) for p in model.parameters() if p.requires_grad}
+                    def step(p, opts=opts):
+                        opts[p].step()
+                        opts[p].zero_grad(set_to_none=True)
+                    hooks = [p.register_post_accumulate_grad_hook(step) for p in opts]
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                    loss.backward()
+                    losses.append(loss.item())
+                    for hook in hooks:
+                        hook.remove()
+                return losses
+            """),
+        ("13-ex3", "SGD written by hand in the hook, not AdamW", """
+            def train_fused(model, batches, lr):
+                model.gradient_checkpointing_enable(dict(use_reentrant=False))
+                def step(p):
+                    with torch.no_grad():
+                        p.add_(p.grad, alpha=-lr)
+                    p.grad = None
+                hooks = [p.register_post_accumulate_grad_hook(step) for p in model.parameters() if p.requires_grad]
+                losses = []
+                for ids in batches:
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                    loss.backward()
+                    losses.append(loss.item())
+                for hook in hooks:
+                    hook.remove()
+                return losses
+            """),
+        ("13-ex3", "the hooks left on the model: every later backward still steps", """
+            def train_fused(model, batches, lr):
+                model.gradient_checkpointing_enable(dict(use_reentrant=False))
+                opts = {p: torch.optim.AdamW([p], lr=lr, foreach=False) for p in model.parameters() if p.requires_grad}
+                def step(p):
+                    opts[p].step()
+                    opts[p].zero_grad(set_to_none=True)
+                for p in opts:
+                    p.register_post_accumulate_grad_hook(step)
+                losses = []
+                for ids in batches:
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                    loss.backward()
+                    losses.append(loss.item())
+                return losses
             """),
     ],
 }

@@ -7,14 +7,18 @@ Python tracker), under `lk.track` (reading its report too: peak_parts, max_parts
 - small steps: a 3-layer MLP 64 wide on a batch of 8, 200 steps, where the per-op cost dominates.
 The variants run interleaved, `--repeat` rounds of each in one process (a busy moment of a shared machine
 hits every variant); each ratio is the median over the rounds of that round's ratio, each time the median
-time. Times are shown, never asserted (they depend on the CPU). `track/bare` is what the issue holds to:
-the cost of lk.track's books and hooks on top of any Python dispatch mode's.
+time; the garbage of the variant before is collected outside the timing. Times are shown, never asserted
+(they depend on the CPU). `track/bare` is what the issue holds to: the cost of lk.track's books and hooks
+on top of any Python dispatch mode's. On a shared virtual machine the ratios still move by 10% from one
+run to the next (bare against bare does too); instruction counts do not: run one variant at a time under
+`valgrind --tool=callgrind` and compare their totals.
 
     python benchmarks/track_overhead.py [--repeat 7]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import os
 import statistics
@@ -64,7 +68,9 @@ def small_steps(steps=200):
 
 
 def timed(fn):
-    """CPU seconds of this process: steadier than wall time on a shared machine (one thread)."""
+    """CPU seconds of this process: steadier than wall time on a shared machine (one thread). The garbage the
+    variant before left (a tracker's books are a reference cycle) is collected first, outside the timing."""
+    gc.collect()
     t0 = time.process_time()
     fn()
     return time.process_time() - t0

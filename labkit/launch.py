@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .checks import count, index
 
-__all__ = ["launch", "progress", "init", "finish", "write_result", "backend_for", "where_ranks_run", "fake_ranks"]
+__all__ = ["launch", "progress", "init", "finish", "leave", "write_result", "backend_for", "where_ranks_run", "fake_ranks"]
 
 
 def _free_port():
@@ -88,7 +88,8 @@ def launch(module, nproc=2, args=(), timeout=300):
             lines += err.read().splitlines()
         _stop_tagged(tag)                          # a rank torchrun left behind (it should leave none)
         if proc.returncode != 0:
-            ranks = [l for l in lines if l.startswith("[rank")]        # the ranks' own tracebacks
+            ranks = [l for l in lines if l.startswith("[rank")         # the ranks' own tracebacks, and what
+                     or "terminate called" in l or "what():" in l]      # C++ said before an abort (SIGABRT)
             tail = "\n".join((ranks or lines)[-40:])
             raise RuntimeError(f"{name} with {nproc} ranks failed (exit {proc.returncode}):\n{tail}")
         missing = [m for m, r in zip(modules, results) if not os.path.exists(r)]
@@ -246,12 +247,24 @@ def init():
 
 
 def finish():
-    """Called at the end of a torchrun script: leave the process group, unless a chain of scripts
-    still needs it (joining a second time in the same processes can hang). Every rank waits for the
-    others first: a gloo rank that leaves while a peer still receives its last message can abort (SIGABRT)."""
+    """Called at the end of a torchrun script: leave the process group and end the process (`leave()`: nothing
+    after this call runs), unless a chain of scripts still needs both (joining a second time in the same
+    processes can hang). Every rank waits for the others first: a gloo rank that leaves while a peer still
+    receives its last message can abort (SIGABRT)."""
     if os.environ.get("LABKIT_CHAINED") != "1":
-        dist.barrier()
-        dist.destroy_process_group()
+        leave()
+
+
+def leave():
+    """The last thing a rank does: wait for the others, leave the process group, and end the process without
+    Python's and C++'s teardown. After all its work and the barrier, a gloo rank was seen to abort at teardown
+    ("terminate called without an active exception": a C++ thread still joinable when its owner is destroyed),
+    which fails the whole torchrun; os._exit skips those destructors once the output is flushed."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def write_result(data):

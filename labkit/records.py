@@ -1,13 +1,18 @@
-"""Headline figures a notebook measured (JSON for `make workbook`'s index), and the GPU figures of data/gpu/.
+"""Headline figures a notebook measured (JSON for `make workbook`'s index), the GPU figures of data/gpu/, and
+the published figures of data/published.csv.
 
 `record()` saves what a notebook measured in this run, in build/records/. `gpu_figures(check)` and
 `show_gpu(check)` read what `make gpu-smoke` measured on real GPUs: one JSON line per check and run in
 data/gpu/<gpu>.jsonl (committed), so a notebook on a laptop can show a GPU's figure beside its own, labelled
-with the GPU and the date, instead of a number typed into its text.
+with the GPU and the date, instead of a number typed into its text. `published(key, ...)` prints a paper's or a
+release note's figure with its source and the words quoted, and returns it.
 """
 from __future__ import annotations
 
+import csv
 import datetime
+import difflib
+import functools
 import json
 import math
 import numbers
@@ -20,7 +25,7 @@ import torch
 from .data import DATA_DIR
 from .device import size
 
-__all__ = ["record", "RECORDS_DIR", "gpu_figures", "gpu_records", "unwritable", "show_gpu", "GPU_CHECKS", "GPU_RUNS",
+__all__ = ["record", "published", "RECORDS_DIR", "gpu_figures", "gpu_records", "unwritable", "show_gpu", "GPU_CHECKS", "GPU_RUNS",
            "GPU_DIR", "NOTEBOOKS"]
 
 RECORDS_DIR = pathlib.Path(os.environ.get(
@@ -235,3 +240,33 @@ def unwritable(folder):
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable, so no record could be written"
     return None
+
+
+@functools.cache
+def _published_rows():
+    with open(DATA_DIR / "published.csv", newline="", encoding="utf-8") as f:
+        return {row["id"]: row for row in csv.DictReader(f)}
+
+
+def published(*keys, quote=True):
+    """Figures of data/published.csv by id: each printed with its source, the quoted words once per quote (if
+    `quote`); the value as a float for one id, a list of floats for several."""
+    rows = _published_rows()
+    if not keys:
+        raise TypeError("published() takes one or more ids of data/published.csv, got none")
+    for key in keys:
+        if key not in rows:
+            near = difflib.get_close_matches(str(key), rows, n=3)
+            raise ValueError(f"key {key!r} is not an id of data/published.csv"
+                             + (f" (did you mean {' or '.join(near)}?)" if near else ""))
+    shown = set()
+    for i, key in enumerate(keys):
+        row = rows[key]
+        print(f"  published: {row['figure']}: {row['value']} {row['unit']} [{row['source']}]")
+        later = {(rows[k]["source"], rows[k]["quote"]) for k in keys[i + 1:]}
+        said = (row["source"], row["quote"])
+        if quote and row["quote"] and said not in shown and said not in later:    # after the last row it backs
+            print(f'    "{row["quote"]}"')
+            shown.add(said)
+    values = [float(rows[key]["value"]) for key in keys]
+    return values[0] if len(values) == 1 else values

@@ -85,8 +85,8 @@ def test_tensorrt_needs_both_packages(monkeypatch):
 
 
 def test_tensorrt_gets_an_fp16_model_not_a_precision_flag(monkeypatch, tmp_path):
-    """Torch-TensorRT 2.10 and later build strongly typed engines: an fp16 engine comes from an fp16 model
-    (2.10-2.12 raise on enabled_precisions={torch.half} beside an fp32 model, 2.13 ignores it and builds fp32).
+    """With explicit typing (Torch-TensorRT's mixed-precision guide) an fp16 engine comes from an fp16 model:
+    labkit gives 2.10 and later an fp16 model and no precision flag, earlier versions the flag too.
     Stood in for on a CPU: a torch_tensorrt module that records what compile() was given."""
     import sys
     import types
@@ -268,21 +268,29 @@ def test_unmapping_every_freed_block_costs_eager_page_faults_on_every_call():
                               batch=4, image=128, repeat=3)
     plain, unmapped = results["eager"], results["eager malloc_mmap_threshold=65536"]
     assert plain.malloc_mmap_threshold is None and unmapped.malloc_mmap_threshold == 65536
-    # malloc's cache hands the same pages back call after call; unmapped, each large tensor is new pages
-    assert unmapped.minor_faults > 4 * max(plain.minor_faults, 3), (plain.minor_faults, unmapped.minor_faults)
+    # unmapped, each large tensor is new pages on every call: a threshold set by hand stops glibc from raising
+    # it, so these faults do not depend on the process's history (about 3,300 per call here, three runs).
+    # At glibc's defaults the thresholds adapt as mapped blocks are freed: the plain run's faults move from run
+    # to run (0 to several hundred per call, mostly in the first), so it is held to a share of them only.
+    assert min(unmapped.faults) > 1000, unmapped.faults
+    assert unmapped.minor_faults > 2 * plain.minor_faults, (plain.faults, unmapped.faults)
     assert unmapped.max_abs_diff == 0.0                   # the same arithmetic, another malloc
 
 
 def test_eager_faults_come_from_malloc_giving_its_heap_back(monkeypatch):
-    """Notebook 11 prints thousands of page faults per eager call at its default malloc: after each call the
-    freed tensors leave glibc's heap top free, past its trim threshold, and free() hands those pages back (and
-    blocks above the mmap threshold are unmapped). With neither (a 32 MiB mmap threshold, an unreachable trim
-    threshold) the same calls fault almost no pages."""
-    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
-    plain = engines.run("eager", model="resnet-tiny", batch=8, image=128, repeat=5)
-    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(2**40))          # engines.run passes the environment on
-    kept = engines.run("eager", model="resnet-tiny", batch=8, image=128, repeat=5, malloc_mmap_threshold=2**25)
-    assert sorted(plain.faults)[2] > 200 and sorted(kept.faults)[2] < 50, (plain.faults, kept.faults)
+    """Notebook 11 prints page faults per eager call at the default malloc: after each call the freed tensors
+    leave glibc's heap top free, past its trim threshold, and free() hands those pages back (and blocks above the
+    mmap threshold are unmapped). With neither (a 32 MiB mmap threshold, an unreachable trim threshold) the same
+    calls mostly fault no pages at all. The default thresholds are set explicitly (128 KiB each): left alone,
+    glibc raises them as it sees large mapped blocks freed, so what a process does depends on its history (one
+    run in five here faulted no page after its first call)."""
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(128 * 1024))     # engines.run passes the environment on
+    plain = engines.run("eager", model="resnet-tiny", batch=8, image=128, repeat=6, malloc_mmap_threshold=128 * 1024)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(2**40))
+    kept = engines.run("eager", model="resnet-tiny", batch=8, image=128, repeat=6, malloc_mmap_threshold=2**25)
+    # every call faults again at the default; with the thresholds raised, calls fault nothing (a few still fault
+    # some pages: here one call in six faulted 513, on an AVX512 CI machine the first three faulted 256 each)
+    assert min(plain.faults) > 200 and sum(f < 50 for f in kept.faults) >= 2, (plain.faults, kept.faults)
 
 
 def test_no_codegen_backend_hands_over_the_backward_graph():

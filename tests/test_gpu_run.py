@@ -119,7 +119,7 @@ def test_the_run_records_each_job_cuts_what_overruns_and_names_what_never_starte
     results, not_started = gr.run(jobs, ENV, tmp_path / "records", workers=2, budget=40, started=t0,
                                   build=tmp_path / "build", echo=lambda line: None,
                                   command=lambda job, left, xml: [sys.executable, str(toy), job.name, str(xml)])
-    assert time.time() - t0 < 40 + 5
+    assert time.time() - t0 < 40 + 15                # the budget, and room for a busy machine
     got = {name: (status, fields) for name, status, _, fields in results}
     assert got["00_start_here"][0] == "ok" and got["00_start_here"][1]["peak_reserved_bytes"] == 5 * GiB
     assert got["01_memory_anatomy"][0] == "failed" and got["01_memory_anatomy"][1]["failed"] == "Cell 0: AssertionError: no"

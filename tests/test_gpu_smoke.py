@@ -187,9 +187,9 @@ def _finds_a_problem(ctx):
 def test_run_one_gives_each_check_its_deadline_and_records_what_happened():
     until = time.monotonic() + 100
     status, fields = smoke.run_one(smoke.Check("tf32", _ok, 30, ()), until)
-    assert status == "ok" and fields["x_tflops"] == 1.5 and 28 < fields["left_s"] <= 30   # its own 30 s
+    assert status == "ok" and fields["x_tflops"] == 1.5 and 20 < fields["left_s"] <= 30   # its own 30 s
     status, fields = smoke.run_one(smoke.Check("tf32", _ok, 300, ()), until)
-    assert 98 < fields["left_s"] <= 100                                                # capped by the budget
+    assert 90 < fields["left_s"] <= 100                                                # capped by the budget
     assert smoke.run_one(smoke.Check("tf32", _skips, 30, ()), until) == ("skipped", {"reason": "no graphs on this toy"})
     status, fields = smoke.run_one(smoke.Check("tf32", _raises, 30, ()), until)
     assert status == "failed" and fields["error"] == "RuntimeError: toy check broke"

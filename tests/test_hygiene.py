@@ -35,6 +35,12 @@ def test_outputs_stripped(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebooks_are_valid_nbformat(path):
+    import nbformat
+    nbformat.validate(nbformat.read(path, as_version=4))       # e.g. cell ids only from nbformat 4.5 on
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_contract_sections_in_order(path):
     md = [source(c) for c in cells(path, "markdown")]
     assert md[0].startswith("# ") and "You will learn" in md[0]

@@ -252,11 +252,12 @@ def _tiny_mlp():
 def test_track_keeps_nothing_alive():
     import gc
     import weakref
-    hooks = _global_module_hooks()
+    hooks, call = _global_module_hooks(), torch.nn.Module.__call__
     model, opt = _tiny_mlp()
     with lk.track(model, opt) as mem:
         model(torch.randn(4, 64)).sum().backward()
         opt.step()
+    assert torch.nn.Module.__call__ is call          # the dispatch backend's wrapper of module calls is gone
     alive = weakref.ref(model), weakref.ref(opt), weakref.ref(model[0].weight)
     del model, opt
     gc.collect()

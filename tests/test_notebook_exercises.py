@@ -592,7 +592,7 @@ def test_notebook_09s_exercise_2_shows_the_replayed_answers_only_once_an_answer_
     out = printed(_ns4(), stub, CHECK2)
     assert "not attempted yet" in out and "m = " not in out, out
     out = printed(_ns4(), solution(NB09, "09-ex2-solution"), CHECK2)
-    assert "Exercise 2: passed" in out and "p = 8, bubble under 10%: m = 64" in out, out
+    assert "Exercise 2: passed" in out and "p = 8, bubble under 1/10 = 10.00%: m = 64" in out, out
 
 
 def test_notebook_09s_exercise_2_takes_an_exact_closed_form_and_refuses_the_same_in_floats():

@@ -182,6 +182,28 @@ def test_eight_bit_adamw_state_is_bitsandbytes_bytes():
         assert adam8bit_state_bytes(numels) < 0.3 * 8 * sum(numels)          # against AdamW's fp32 moments
 
 
+def test_eight_bit_adamw_state_of_the_fused_step_has_maps_per_optimizer():
+    """The fused step makes one AdamW8bit per parameter (labkit.plan.verify.Step, torchtune's optimizer_in_bwd):
+    each optimizer with 8-bit state holds its own two quantization maps, not one pair for all tensors."""
+    assert adam8bit_state_bytes([4096] * 3, per_parameter=True) == 3 * (2 * 4096 + 8 * 16 + 2 * 256 * 4)
+    assert adam8bit_state_bytes([4096] * 3) == 3 * (2 * 4096 + 8 * 16) + 2 * 256 * 4
+    assert adam8bit_state_bytes([128, 4095], per_parameter=True) == adam8bit_state_bytes([128, 4095]) == 8 * 4223
+    bnb = pytest.importorskip("bitsandbytes")
+    ids = torch.randint(0, 4096, (1, 16))
+    model = tiny()
+    opts = [bnb.optim.AdamW8bit([p], lr=1e-3) for p in model.parameters()]
+
+    def step():
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    mem = tracked(model, step, *opts)
+    numels = [p.numel() for p in model.parameters()]
+    assert mem.peak_parts["optimizer"] == adam8bit_state_bytes(numels, per_parameter=True)     # to the byte
+
+
 def test_paging_changes_nothing_while_the_card_has_room():
     assert paged_optimizer(10 * GiB, 12 * GiB) == (10 * GiB, 0)
     assert paged_optimizer(10 * GiB, 4 * GiB) == (4 * GiB, 6 * GiB)          # the rest lives on the host

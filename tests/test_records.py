@@ -1,5 +1,6 @@
 """labkit.records: lk.record's figures (values kept, standard JSON, a corrupted file set aside) and the GPU records
-of data/gpu/ (read, shown with their GPU and date, refused naming the file, line, key or folder)."""
+of data/gpu/ (read, shown with their GPU and date, refused naming the file, line, key or folder), and the
+published figures of data/published.csv."""
 import json
 import pathlib
 from fractions import Fraction
@@ -174,3 +175,16 @@ def test_gpu_records_are_found_in_a_checkout():
     root = pathlib.Path(labkit.__file__).resolve().parent.parent
     if (root / "data" / "corpus.txt").exists():                 # a checkout, not an installed wheel
         assert records.GPU_DIR == root / "data" / "gpu"
+
+
+def test_published_figures_print_their_source_and_each_quote_once(capsys):
+    from labkit.records import published
+    low, high = published("vllm-prior-used-low", "vllm-prior-used-high")
+    out = capsys.readouterr().out
+    assert (low, high) == (20.4, 38.2) and out.count("published:") == 2 and out.count("only 20.4% - 38.2%") == 1
+    assert published("vllm-default-block-size", quote=False) == 16.0
+    assert '"' not in capsys.readouterr().out
+    with pytest.raises(ValueError, match="key 'palm-540b-param' is not an id of data/published.csv .*palm-540b-params"):
+        published("palm-540b-param")
+    with pytest.raises(TypeError, match="got none"):
+        published()

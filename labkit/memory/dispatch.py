@@ -151,12 +151,7 @@ class DispatchTracker(Tracker, TorchDispatchMode):
                 elif label[entry.serial] != GRADIENTS:
                     self._relabel(entry.serial, GRADIENTS)
 
-    def _module_pre(self, module, args):     # Tracker's, inlined: twice per module call
-        self._phase.append(ACTIVATIONS)
-
-    def _module_post(self, module, args, out):
-        if len(self._phase) > 1:
-            self._phase.pop()
+    module_hooks = False                     # module calls are followed by `call_counted` instead
 
     @classmethod
     def _should_skip_dynamo(cls):
@@ -237,6 +232,7 @@ class DispatchTracker(Tracker, TorchDispatchMode):
         a dispatch mode was on: the first tracker to start installs both for every tracker in its block."""
         if not RESIZING:
             torch.UntypedStorage.resize_ = resize_counted
+            torch.nn.Module.__call__ = call_counted
             if "torch._dynamo" in sys.modules:       # only if loaded: importing Dynamo takes seconds
                 dynamo_skips_dispatch()
             log = logging.getLogger(DYNAMO_LOG)
@@ -250,6 +246,7 @@ class DispatchTracker(Tracker, TorchDispatchMode):
             RESIZING.remove(self)
             if not RESIZING:
                 torch.UntypedStorage.resize_ = RESIZE
+                torch.nn.Module.__call__ = CALL
                 log = logging.getLogger(DYNAMO_LOG)
                 log.removeFilter(LISTENER[0])
                 log.setLevel(LISTENER.pop().level_before)
@@ -268,7 +265,8 @@ class DispatchTracker(Tracker, TorchDispatchMode):
                 "the compiled code allocates. Measure it with lk.track(..., backend='profiler').")
 
 
-RESIZING = []                # dispatch trackers inside their block: each is told of a storage resize
+RESIZING = []                # dispatch trackers inside their block: each is told of a storage resize and of
+                             # each module call
 RESIZE = torch.UntypedStorage.resize_
 LISTENER = []                # the one CompiledCodeSeen filter while any dispatch tracker is in its block
 
@@ -281,6 +279,25 @@ def resize_counted(storage, size):
     for tracker in list(RESIZING):
         tracker.storage_resized(storage, before)
     return out
+
+
+CALL = torch.nn.Module.__call__
+
+
+def call_counted(module, *args, **kwargs):
+    """torch.nn.Module.__call__ while a dispatch tracker runs: whatever a module's forward makes is an activation
+    (submodules', and the forward that activation checkpointing re-runs in backward). Global module hooks would
+    do the same, but they send every module call down nn.Module's slow path (a tenth of the cost of tracking
+    small steps); this is one more Python frame. Dynamo never traces it: it skips every frame while a dispatch
+    mode is on."""
+    for tracker in RESIZING:
+        tracker._phase.append(ACTIVATIONS)
+    try:
+        return CALL(module, *args, **kwargs)
+    finally:
+        for tracker in RESIZING:
+            if len(tracker._phase) > 1:
+                tracker._phase.pop()
 
 
 TENSOR, PARAMETER = torch.Tensor, torch.nn.Parameter

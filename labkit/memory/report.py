@@ -6,7 +6,8 @@ so a tensor born in backward that ends up as `param.grad` is a gradient from its
 (`timeline`, `peak_parts`, `trace`, ...) is built from the events when first read, and cached.
 
 The categories come from hooks that both backends install in the same way: a module's forward
-makes activations (global module hooks, so submodules count too), `.grad` is a gradient (read when
+makes activations (global module hooks, so submodules count too; the dispatch
+backend wraps `nn.Module.__call__` instead), `.grad` is a gradient (read when
 each backward ends, before each optimizer step and when the block ends: `torch.autograd.backward` is
 wrapped while a block runs, which also marks where each backward starts; no hook per parameter or per
 forward), an optimizer's state is "optimizer", a model output's cache kept without a graph is
@@ -196,7 +197,10 @@ class Tracker:
                 self._see(p.grad, "gradients")
 
     # Whatever any module's forward creates is an activation: also the forward that activation
-    # checkpointing re-runs during backward. Global hooks, so that submodules count too.
+    # checkpointing re-runs during backward. Global hooks, so that submodules count too (a backend that
+    # follows module calls its own way sets module_hooks = False).
+    module_hooks = True
+
     def _module_pre(self, module, args):
         self._push(ACTIVATIONS)
 
@@ -260,8 +264,9 @@ class Tracker:
                 raise torch.OutOfMemoryError(
                     f"budget {fmt_bytes(self.budget)} exceeded before the block ran: what was passed in "
                     f"already holds {fmt_bytes(self.live)} ({held})")
-            self._hooks.append(register_module_forward_pre_hook(self._module_pre))
-            self._hooks.append(register_module_forward_hook(self._module_post, always_call=True))
+            if self.module_hooks:
+                self._hooks.append(register_module_forward_pre_hook(self._module_pre))
+                self._hooks.append(register_module_forward_hook(self._module_post, always_call=True))
             # torch warns that a compiled module's global hooks fire once more (for the OptimizedModule):
             # ours only push and pop a phase, so that is harmless; that one warning is ignored in the block.
             self._warnings = warnings.catch_warnings()

@@ -26,18 +26,22 @@ OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")
 MIN_8BIT_SIZE, BLOCK_8BIT = 4096, 256
 
 
-def adam8bit_state_bytes(numels):
+def adam8bit_state_bytes(numels, per_parameter=False):
     """Bytes of bitsandbytes' AdamW8bit state for parameters of `numels` elements: per tensor of at least
     MIN_8BIT_SIZE elements, two uint8 moments and two fp32 absmax per block of BLOCK_8BIT (2 + 8/256
     bytes per element); smaller tensors (norms at small widths) two fp32 moments (8 bytes per element).
-    The two 256-entry fp32 quantization maps are shared by every tensor (2 KiB once)."""
-    total = 2 * 256 * 4
+    Each optimizer holding 8-bit state has its two 256-entry fp32 quantization maps (2 KiB), shared by
+    its tensors: once for one optimizer over every parameter; once per 8-bit tensor with `per_parameter`,
+    one optimizer per parameter as the step fused into backward makes them (torchtune's optimizer_in_bwd,
+    labkit.plan.verify.Step)."""
+    total, eight = 0, 0
     for n in numels:
         if n < MIN_8BIT_SIZE:
             total += 8 * n
         else:
             total += 2 * n + 2 * 4 * -(-n // BLOCK_8BIT)
-    return total
+            eight += 1
+    return total + 2 * 256 * 4 * (eight if per_parameter else min(eight, 1))
 
 
 def paged_optimizer(state_bytes, device_free):

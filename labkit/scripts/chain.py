@@ -11,7 +11,7 @@ import sys
 
 import torch.distributed as dist
 
-from labkit.launch import progress
+from labkit.launch import leave, progress
 
 
 def main():
@@ -23,8 +23,7 @@ def main():
         os.environ["LABKIT_RESULT"] = results[i] if i < len(results) else ""
         importlib.import_module(name).main()
     if dist.is_initialized():
-        dist.barrier()                      # no rank leaves while a peer still receives (gloo can abort)
-        dist.destroy_process_group()
+        leave()                             # no rank leaves while a peer still receives; no teardown abort
 
 
 if __name__ == "__main__":

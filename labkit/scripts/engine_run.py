@@ -70,11 +70,12 @@ def gpu_free(on_gpu):
 
 
 def tensorrt_precision(version, fp16):
-    """The precision keyword for torch_tensorrt.compile, by Torch-TensorRT's version. From 2.10 on: {}. Engines
-    are strongly typed by default there (each layer runs in the dtype of the model's own tensors, so an fp16
-    engine is built from an fp16 model); 2.10-2.12 refuse enabled_precisions={torch.half} beside that, 2.13
-    ignores it on the dynamo path. Before 2.10 (weak typing): enabled_precisions={torch.half}, so that
-    TensorRT may pick fp16 kernels."""
+    """The precision keyword for torch_tensorrt.compile, by Torch-TensorRT's version. Its mixed-precision guide
+    (docs.pytorch.org/TensorRT/user_guide/mixed_precision.html): with weak typing (TensorRT before 10.12) the
+    builder picks each layer's kernel by speed, and enabled_precisions={torch.half} lets it pick fp16; with
+    explicit typing each layer runs in the dtype of the model's own tensors, so an fp16 engine is built from an
+    fp16 model (`prepare` calls model.half()). labkit passes the keyword only before 2.10 and nothing after,
+    where explicit typing is the default and the keyword is not needed."""
     import re
 
     import torch

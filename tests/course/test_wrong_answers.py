@@ -1,13 +1,16 @@
-"""Exercise checks refuse the wrong answers a learner could plausibly write (issue 37's list, each one tried).
+"""Exercise checks refuse the wrong answers a learner could plausibly write (issue 37's list, each one tried)
+and the answers that call the code the exercise teaches (bypasses.py).
 
 For every wrong answer below the notebook runs as the answer key up to that exercise's check; right after the
 check, a cell defines the wrong answer in place of the solution and a copy of the check runs on it: that copy
-must fail (an AssertionError, ValueError or TypeError from the check, never "not attempted"). Then the
-solution cell runs again, so the cells after it see the answer key. A wrong answer here is one a learner might
-really write (a constant, the unsharded computation, a copy that saves nothing, a number typed in instead of
-measured), not deliberate introspection: a check in the learner's own process cannot stop that, and graded
-courses use nbgrader's hidden tests (docs/instructor.md). Cells after the last check are dropped to save time;
-one kernel per notebook.
+must fail (an AssertionError, ValueError or TypeError from the check, never "not attempted"). A bypass is
+tried the same way, and its copy must fail naming the taught call; the check once more with `forbid=`
+dropped must pass it (else the bypass proves nothing). Then the solution cell runs again, so the cells after
+it see the answer key. A wrong answer here is one a learner might really write (a constant, the unsharded
+computation, a copy that saves nothing, a number typed in instead of measured), not deliberate
+introspection: a check in the learner's own process cannot stop that, and graded courses use nbgrader's
+hidden tests (docs/instructor.md). Cells after the last check are dropped to save time; one kernel per
+notebook for both kinds.
 """
 import pathlib
 import textwrap
@@ -15,6 +18,8 @@ import textwrap
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+from bypasses import BYPASSES, UNGUARDED
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOKS = {p.name[:2]: p for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
@@ -136,47 +141,6 @@ WRONG = {
             """),
     ],
     "01": [
-        ("01-ex1", "every parameter at 4 bytes, whatever its dtype (the bf16 MLPs counted as fp32)", """
-            def amp_state_bytes(model):
-                states = sum(4 * p.numel() * 4 for p in model.parameters())
-                return states + sum(2 * m.weight.numel() for m in model.modules()
-                                    if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16)
-            """),
-        ("01-ex1", "a constant 16 bytes per parameter (ZeRO's count)", """
-            def amp_state_bytes(model):
-                return 16 * sum(p.numel() for p in model.parameters())
-            """),
-        ("01-ex1", "autocast's copies forgotten: the states alone", """
-            def amp_state_bytes(model):
-                return sum(4 * p.numel() * p.element_size() for p in model.parameters())
-            """),
-        ("01-ex1", "every parameter cast, not only the matmul (nn.Linear) weights", """
-            def amp_state_bytes(model):
-                return sum(4 * p.numel() * p.element_size() + 2 * p.numel() for p in model.parameters())
-            """),
-        ("01-ex1", "a copy of every Linear weight, the bf16 ones too", """
-            def amp_state_bytes(model):
-                states = sum(4 * p.numel() * p.element_size() for p in model.parameters())
-                return states + sum(2 * m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-            """),
-        ("01-ex1", "the copies counted in the weight's own dtype (4 bytes for an fp32 weight)", """
-            def amp_state_bytes(model):
-                states = sum(4 * p.numel() * p.element_size() for p in model.parameters())
-                return states + sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-                                    if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16)
-            """),
-        ("01-ex1", "off by one: weight, gradient and one moment (3 copies)", """
-            def amp_state_bytes(model):
-                states = sum(3 * p.numel() * p.element_size() for p in model.parameters())
-                return states + sum(2 * m.weight.numel() for m in model.modules()
-                                    if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16)
-            """),
-        ("01-ex1", "off by one: a fifth copy (fp32 master weights on top of fp32 weights)", """
-            def amp_state_bytes(model):
-                states = sum(5 * p.numel() * p.element_size() for p in model.parameters())
-                return states + sum(2 * m.weight.numel() for m in model.modules()
-                                    if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16)
-            """),
         ("01-ex2", "every save counted: a storage saved by several operations counted again", """
             def saved_bytes(model, ids):
                 weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -256,6 +220,77 @@ WRONG = {
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = model(input_ids=ids, use_cache=False)
                 return sum(saved.values())
+            """),
+        ("01-ex2", "only floating-point saves counted: the int64 routing indices of a mixture of experts left out", """
+            def saved_bytes(model, ids):
+                weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+                saved = {}
+
+                def pack(t):
+                    s = t.untyped_storage()
+                    if s.data_ptr() not in weights and t.dtype in (torch.float32, torch.bfloat16, torch.float16):
+                        saved[s.data_ptr()] = s.nbytes()
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = model(input_ids=ids, use_cache=False)
+                del out
+                return sum(saved.values())
+            """),
+        ("01-ex1", "autocast thought to copy every parameter but the embedding: the RMSNorm weights get a bf16 copy too", """
+            def amp_state_bytes(model):
+                states = sum(4 * p.numel() * p.element_size() for p in model.parameters())
+                copies = sum(2 * p.numel() for n, p in model.named_parameters()
+                             if "embed" not in n and p.dtype != torch.bfloat16)
+                return states, copies
+            """),
+        ("01-ex1", "every parameter at 4 bytes, whatever its dtype (the bf16 MLPs counted as fp32); (states, copies)", """
+            def amp_state_bytes(model):
+                states = sum(4 * p.numel() * 4 for p in model.parameters())
+                return states, sum(2 * m.weight.numel() for m in model.modules()
+                                   if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16)
+            """),
+        ("01-ex1", "a constant 16 bytes per parameter (ZeRO's count), no copies; (states, copies)", """
+            def amp_state_bytes(model):
+                return 16 * sum(p.numel() for p in model.parameters()), 0
+            """),
+        ("01-ex1", "autocast's copies forgotten: the states alone; (states, copies)", """
+            def amp_state_bytes(model):
+                return sum(4 * p.numel() * p.element_size() for p in model.parameters()), 0
+            """),
+        ("01-ex1", "every parameter cast, not only the matmul (nn.Linear) weights; (states, copies)", """
+            def amp_state_bytes(model):
+                return (sum(4 * p.numel() * p.element_size() for p in model.parameters()),
+                        sum(2 * p.numel() for p in model.parameters()))
+            """),
+        ("01-ex1", "a copy of every Linear weight, the bf16 ones too; (states, copies)", """
+            def amp_state_bytes(model):
+                states = sum(4 * p.numel() * p.element_size() for p in model.parameters())
+                return states, sum(2 * m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+            """),
+        ("01-ex1", "the copies counted in the weight's own dtype (4 bytes for an fp32 weight); (states, copies)", """
+            def amp_state_bytes(model):
+                states = sum(4 * p.numel() * p.element_size() for p in model.parameters())
+                return states, sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                                   if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16)
+            """),
+        ("01-ex1", "off by one: weight, gradient and one moment (3 copies); (states, copies)", """
+            def amp_state_bytes(model):
+                states = sum(3 * p.numel() * p.element_size() for p in model.parameters())
+                return states, sum(2 * m.weight.numel() for m in model.modules()
+                                   if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16)
+            """),
+        ("01-ex1", "off by one: a fifth copy (fp32 master weights on top of fp32 weights); (states, copies)", """
+            def amp_state_bytes(model):
+                states = sum(5 * p.numel() * p.element_size() for p in model.parameters())
+                return states, sum(2 * m.weight.numel() for m in model.modules()
+                                   if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16)
+            """),
+        ("01-ex1", "the old interface: the sum states + copies, one number", """
+            def amp_state_bytes(model):
+                states = sum(4 * p.numel() * p.element_size() for p in model.parameters())
+                return states + sum(2 * m.weight.numel() for m in model.modules()
+                                    if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16)
             """),
     ],
     "02": [
@@ -443,6 +478,148 @@ WRONG = {
                     for p in self.params:
                         p.grad = None
             """),
+        ("02-ex1", "an overflow detected by NaN only: a step whose gradients hold inf and no NaN is taken", """
+            class LossScaler:
+                def __init__(self, scale=2.0**16, growth=2.0, backoff=0.5, interval=2000):
+                    self.scale, self.growth, self.backoff, self.interval = scale, growth, backoff, interval
+                    self.clean = 0
+
+                def scale_loss(self, loss):
+                    return loss * self.scale
+
+                def step(self, optimizer):
+                    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+                    for g in grads:
+                        g.div_(self.scale)
+                    finite = not any(torch.isnan(g).any() for g in grads)
+                    if finite:
+                        optimizer.step()
+                        self.clean += 1
+                        if self.clean == self.interval:
+                            self.scale, self.clean = self.scale * self.growth, 0
+                    else:
+                        self.scale, self.clean = self.scale * self.backoff, 0
+                    return finite
+            """),
+        ("02-ex1", "gradients zeroed on overflow and the step taken anyway: momentum and weight decay still move the weights", """
+            class LossScaler:
+                def __init__(self, scale=2.0**16, growth=2.0, backoff=0.5, interval=2000):
+                    self.scale, self.growth, self.backoff, self.interval = scale, growth, backoff, interval
+                    self.clean = 0
+
+                def scale_loss(self, loss):
+                    return loss * self.scale
+
+                def step(self, optimizer):
+                    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+                    for g in grads:
+                        g.div_(self.scale)
+                    finite = all(torch.isfinite(g).all() for g in grads)
+                    if finite:
+                        self.clean += 1
+                        if self.clean == self.interval:
+                            self.scale, self.clean = self.scale * self.growth, 0
+                    else:
+                        for g in grads:
+                            g.zero_()
+                        self.scale, self.clean = self.scale * self.backoff, 0
+                    optimizer.step()
+                    return finite
+            """),
+        ("02-ex2", "masters copied back before AdamW steps them: the bf16 weights stay one step behind", """
+            class MasterWeights:
+                \"\"\"AdamW for 16-bit weights through fp32 master copies (mixed precision's master weights).\"\"\"
+                def __init__(self, params, lr, **adamw):
+                    self.params = list(params)
+                    self.master = [p.detach().float() for p in self.params]
+                    self.adamw = torch.optim.AdamW(self.master, lr=lr, **adamw)
+
+                @torch.no_grad()
+                def step(self):
+                    for p, m in zip(self.params, self.master):
+                        m.grad = p.grad.float()
+                        p.copy_(m)
+                    self.adamw.step()
+                    for m in self.master:
+                        m.grad = None
+
+                def zero_grad(self, set_to_none=True):
+                    for p in self.params:
+                        p.grad = None
+            """),
+        ("02-ex1", "a per-parameter skip: an overflowing parameter's gradient dropped and the others stepped", """
+            class LossScaler:
+                def __init__(self, scale=2.0**16, growth=2.0, backoff=0.5, interval=2000):
+                    self.scale, self.growth, self.backoff, self.interval = scale, growth, backoff, interval
+                    self.clean = 0
+
+                def scale_loss(self, loss):
+                    return loss * self.scale
+
+                def step(self, optimizer):
+                    finite = True
+                    for group in optimizer.param_groups:
+                        for p in group["params"]:
+                            if p.grad is None:
+                                continue
+                            p.grad.div_(self.scale)
+                            if not torch.isfinite(p.grad).all():
+                                p.grad, finite = None, False
+                    optimizer.step()
+                    if finite:
+                        self.clean += 1
+                        if self.clean == self.interval:
+                            self.scale, self.clean = self.scale * self.growth, 0
+                    else:
+                        self.scale, self.clean = self.scale * self.backoff, 0
+                    return finite
+            """),
+        ("02-ex1", "overflow looked for in the first gradient only", """
+            class LossScaler:
+                def __init__(self, scale=2.0**16, growth=2.0, backoff=0.5, interval=2000):
+                    self.scale, self.growth, self.backoff, self.interval = scale, growth, backoff, interval
+                    self.clean = 0
+
+                def scale_loss(self, loss):
+                    return loss * self.scale
+
+                def step(self, optimizer):
+                    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+                    for g in grads:
+                        g.div_(self.scale)
+                    finite = bool(torch.isfinite(grads[0]).all())
+                    if finite:
+                        optimizer.step()
+                        self.clean += 1
+                        if self.clean == self.interval:
+                            self.scale, self.clean = self.scale * self.growth, 0
+                    else:
+                        self.scale, self.clean = self.scale * self.backoff, 0
+                    return finite
+            """),
+        ("02-ex1", "overflow looked for in the last gradient only", """
+            class LossScaler:
+                def __init__(self, scale=2.0**16, growth=2.0, backoff=0.5, interval=2000):
+                    self.scale, self.growth, self.backoff, self.interval = scale, growth, backoff, interval
+                    self.clean = 0
+
+                def scale_loss(self, loss):
+                    return loss * self.scale
+
+                def step(self, optimizer):
+                    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+                    for g in grads:
+                        g.div_(self.scale)
+                    finite = bool(torch.isfinite(grads[-1]).all())
+                    if finite:
+                        optimizer.step()
+                        self.clean += 1
+                        if self.clean == self.interval:
+                            self.scale, self.clean = self.scale * self.growth, 0
+                    else:
+                        self.scale, self.clean = self.scale * self.backoff, 0
+                    return finite
+            """),
     ],
     "03": [
         ("03-ex1", "the graph kept from forward and reused: nothing recomputed, nothing saved", """
@@ -523,6 +700,76 @@ WRONG = {
                     layer.mlp.gate_proj = Checkpointed(layer.mlp.gate_proj)
                     layer.mlp.up_proj = Checkpointed(layer.mlp.up_proj)
                 return model
+            """),
+        ("03-ex1", "the weights' gradients taken with autograd.grad and assigned: .grad overwritten, not accumulated (breaks gradient accumulation and shared weights)", """
+            class Recompute(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, fn, x):
+                    ctx.fn = fn
+                    ctx.save_for_backward(x)
+                    with torch.no_grad():
+                        return fn(x)
+
+                @staticmethod
+                def backward(ctx, grad_y):
+                    (x,) = ctx.saved_tensors
+                    x = x.detach().requires_grad_(True)
+                    params = list(ctx.fn.parameters())
+                    with torch.enable_grad():
+                        y = ctx.fn(x)
+                    grads = torch.autograd.grad(y, [x] + params, grad_y)
+                    for p, g in zip(params, grads[1:]):
+                        p.grad = g
+                    return None, grads[0]
+            """),
+        ("03-ex2", "the post-attention norm checkpointed with the MLP: more than the MLP's four tensors no longer kept", """
+            def checkpoint_mlps(model):
+                class NormAndMLP(torch.nn.Module):
+                    def __init__(self, norm, mlp):
+                        super().__init__()
+                        self.norm, self.mlp = norm, mlp
+
+                    def forward(self, x):
+                        return checkpoint(lambda t: self.mlp(self.norm(t)), x, use_reentrant=False)
+
+                for layer in model.model.layers:
+                    layer.mlp = NormAndMLP(layer.post_attention_layernorm, layer.mlp)
+                    layer.post_attention_layernorm = torch.nn.Identity()
+                return model
+            """),
+        ("03-ex1", "recomputes on the saved x without detaching it: the nested backward runs through the graph before x (fills a leaf's .grad, but with a residual path fails 'backward through the graph a second time')", """
+            class Recompute(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, fn, x):
+                    ctx.fn = fn
+                    ctx.save_for_backward(x)
+                    with torch.no_grad():
+                        return fn(x)
+
+                @staticmethod
+                def backward(ctx, grad_y):
+                    (x,) = ctx.saved_tensors
+                    with torch.enable_grad():
+                        y = ctx.fn(x)
+                    torch.autograd.backward(y, grad_y)
+                    return None, None
+            """),
+        ("03-ex1", "recomputes on the saved x without detaching, retain_graph=True as PyTorch's error suggests: the nested backward runs the whole graph before x (every earlier layer) once per checkpointed layer", """
+            class Recompute(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, fn, x):
+                    ctx.fn = fn
+                    ctx.save_for_backward(x)
+                    with torch.no_grad():
+                        return fn(x)
+
+                @staticmethod
+                def backward(ctx, grad_y):
+                    (x,) = ctx.saved_tensors
+                    with torch.enable_grad():
+                        y = ctx.fn(x)
+                    torch.autograd.backward(y, grad_y, retain_graph=True)
+                    return None, None
             """),
     ],
     "04": [
@@ -746,6 +993,141 @@ WRONG = {
                 os.remove(path)
                 return values
             """),
+        ("04-ex1", "any float dtype compressed (fp64, fp16 and bf16 too), not only fp32", """
+            import weakref
+
+            class Bf16Hooks:
+                def __init__(self, weights, min_bytes=1024):
+                    self.weights, self.min_bytes, self.packed = weights, min_bytes, {}
+
+                def pack(self, t):
+                    st = t.untyped_storage()
+                    if not t.is_floating_point() or t.numel() * t.element_size() < self.min_bytes or st.data_ptr() in self.weights:
+                        return t
+                    key = (id(st), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                    hit = self.packed.get(key)
+                    if hit is None or hit[0]() is not st:
+                        hit = self.packed[key] = (weakref.ref(st), (t.to(torch.bfloat16),))
+                    return hit[1]
+
+                def unpack(self, packed):
+                    return packed if isinstance(packed, torch.Tensor) else packed[0].float()
+            """),
+        ("04-ex1", "min_bytes compared with the number of elements, not bytes", """
+            import weakref
+
+            class Bf16Hooks:
+                def __init__(self, weights, min_bytes=1024):
+                    self.weights, self.min_bytes, self.packed = weights, min_bytes, {}
+
+                def pack(self, t):
+                    st = t.untyped_storage()
+                    if t.dtype != torch.float32 or t.numel() < self.min_bytes or st.data_ptr() in self.weights:
+                        return t
+                    key = (id(st), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                    hit = self.packed.get(key)
+                    if hit is None or hit[0]() is not st:
+                        hit = self.packed[key] = (weakref.ref(st), (t.to(torch.bfloat16),))
+                    return hit[1]
+
+                def unpack(self, packed):
+                    return packed if isinstance(packed, torch.Tensor) else packed[0].float()
+            """),
+        ("04-ex1", "the storage offset left out of the key: two same-shaped views of one storage share a copy", """
+            import weakref
+
+            class Bf16Hooks:
+                def __init__(self, weights, min_bytes=1024):
+                    self.weights, self.min_bytes, self.packed = weights, min_bytes, {}
+
+                def pack(self, t):
+                    st = t.untyped_storage()
+                    if t.dtype != torch.float32 or t.numel() * t.element_size() < self.min_bytes or st.data_ptr() in self.weights:
+                        return t
+                    key = (id(st), tuple(t.shape), tuple(t.stride()))
+                    hit = self.packed.get(key)
+                    if hit is None or hit[0]() is not st:
+                        hit = self.packed[key] = (weakref.ref(st), (t.to(torch.bfloat16),))
+                    return hit[1]
+
+                def unpack(self, packed):
+                    return packed if isinstance(packed, torch.Tensor) else packed[0].float()
+            """),
+        ("04-ex2", "unpack reads every file as float32 and gives it back on the CPU: dtype and device lost", """
+            import os
+            import uuid
+            import numpy as np
+
+            def pack_to_disk(t, folder):
+                path = folder / f"{uuid.uuid4().hex}.bin"
+                t.detach().cpu().numpy().tofile(path)
+                return path, t.shape
+
+            def unpack_from_disk(packed):
+                path, shape = packed
+                values = torch.from_numpy(np.fromfile(path, dtype=np.float32)).view(shape)
+                os.remove(path)
+                return values
+            """),
+        ("04-ex1", "the bf16 copy returned unwrapped, and unpack turns every bf16 tensor into fp32: a kept bf16 tensor comes back as fp32", """
+            import weakref
+
+            class Bf16Hooks:
+                def __init__(self, weights, min_bytes=1024):
+                    self.weights, self.min_bytes, self.packed = weights, min_bytes, {}
+
+                def pack(self, t):
+                    st = t.untyped_storage()
+                    if t.dtype != torch.float32 or t.numel() * t.element_size() < self.min_bytes or st.data_ptr() in self.weights:
+                        return t
+                    key = (id(st), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                    hit = self.packed.get(key)
+                    if hit is None or hit[0]() is not st:
+                        hit = self.packed[key] = (weakref.ref(st), t.to(torch.bfloat16))
+                    return hit[1]
+
+                def unpack(self, packed):
+                    return packed.float() if packed.dtype == torch.bfloat16 else packed
+            """),
+        ("04-ex1", "a tensor of exactly min_bytes bytes kept (<= instead of <): only smaller ones stay", """
+            import weakref
+
+            class Bf16Hooks:
+                def __init__(self, weights, min_bytes=1024):
+                    self.weights, self.min_bytes, self.packed = weights, min_bytes, {}
+
+                def pack(self, t):
+                    st = t.untyped_storage()
+                    if t.dtype != torch.float32 or t.numel() * t.element_size() <= self.min_bytes or st.data_ptr() in self.weights:
+                        return t
+                    key = (id(st), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                    hit = self.packed.get(key)
+                    if hit is None or hit[0]() is not st:
+                        hit = self.packed[key] = (weakref.ref(st), (t.to(torch.bfloat16),))
+                    return hit[1]
+
+                def unpack(self, packed):
+                    return packed if isinstance(packed, torch.Tensor) else packed[0].float()
+            """),
+        ("04-ex1", "min_bytes measured on the whole storage, not the tensor: a small view of a large storage is compressed", """
+            class Bf16Hooks:
+                def __init__(self, weights, min_bytes=1024):
+                    self.weights, self.min_bytes, self.packed = weights, min_bytes, {}
+
+                def pack(self, t):
+                    import weakref
+                    st = t.untyped_storage()
+                    if t.dtype != torch.float32 or st.nbytes() < self.min_bytes or st.data_ptr() in self.weights:
+                        return t
+                    key = (id(st), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+                    hit = self.packed.get(key)
+                    if hit is None or hit[0]() is not st:
+                        hit = self.packed[key] = (weakref.ref(st), (t.to(torch.bfloat16),))
+                    return hit[1]
+
+                def unpack(self, packed):
+                    return packed if isinstance(packed, torch.Tensor) else packed[0].float()
+            """),
     ],
     "05": [
         ("05-ex1", "the smallest block that fits, the max_split_size rules left out", """
@@ -836,6 +1218,19 @@ WRONG = {
                     step = floor // divisions
                     return (size // step + 1) * step
                 return -(-size // 512) * 512
+            """),
+        ("05-ex1", "max_non_split_rounding typed as 20_000_000 bytes (19.07 MiB), not 20 << 20", """
+            def my_best_fit(free_blocks, size, max_split=None):
+                fits = [b for b in free_blocks if b[0] >= size]
+                if not fits:
+                    return None
+                best = min(fits)
+                if max_split is not None:
+                    if size < max_split and best[0] >= max_split:
+                        return None
+                    if size >= max_split and best[0] >= size + 20_000_000:
+                        return None
+                return best
             """),
     ],
     "06": [
@@ -1107,6 +1502,80 @@ WRONG = {
                 def forward(self, x):
                     return x @ self.weight.T + (x @ self.A.T @ self.B.T) * self.scale
             """),
+        ("06-ex3", "A initialised with zeros like B: neither factor gets a gradient, the adapter never trains", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    self.register_buffer("packed", packed.flatten())
+                    self.register_buffer("absmax", absmax.flatten())
+                    self.shape, self.scale = tuple(shape), alpha / rank
+                    self.A = torch.nn.Parameter(torch.zeros(rank, shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    codes = torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).flatten().long()
+                    w = (NF4[codes].reshape(-1, BLOCK) * self.absmax[:, None]).reshape(self.shape)
+                    return x @ w.T + (x @ self.A.T @ self.B.T) * self.scale
+            """),
+        ("06-ex3", "alpha // rank (integer division): rank 64, alpha 16 gives a scale of 0", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    self.register_buffer("packed", packed.flatten())
+                    self.register_buffer("absmax", absmax.flatten())
+                    self.shape, self.scale = tuple(shape), alpha // rank
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]) / math.sqrt(shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    codes = torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).flatten().long()
+                    w = (NF4[codes].reshape(-1, BLOCK) * self.absmax[:, None]).reshape(self.shape)
+                    return x @ w.T + (x @ self.A.T @ self.B.T) * self.scale
+            """),
+        ("06-ex3", "the 4-bit bytes and absmax kept as plain attributes: state_dict() loses the base, .to() leaves it behind", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    self.packed, self.absmax = packed.flatten(), absmax.flatten()
+                    self.shape, self.scale = tuple(shape), alpha / rank
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]) / math.sqrt(shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    codes = torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).flatten().long()
+                    w = (NF4[codes].reshape(-1, BLOCK) * self.absmax[:, None]).reshape(self.shape)
+                    return x @ w.T + (x @ self.A.T @ self.B.T) * self.scale
+            """),
+        ("06-ex3", "the bytes a buffer but the absmax a plain attribute: state_dict() loses the scales", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    self.register_buffer("packed", packed.flatten())
+                    self.absmax = absmax.flatten()
+                    self.shape, self.scale = tuple(shape), alpha / rank
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]) / math.sqrt(shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    codes = torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).flatten().long()
+                    w = (NF4[codes].reshape(-1, BLOCK) * self.absmax[:, None]).reshape(self.shape)
+                    return x @ w.T + (x @ self.A.T @ self.B.T) * self.scale
+            """),
+        ("06-ex3", "A drawn at unit variance, not with a standard deviation of order 1/sqrt(in) as the text asks", """
+            class LoRA4bit(torch.nn.Module):
+                def __init__(self, packed, absmax, shape, rank, alpha):
+                    super().__init__()
+                    self.register_buffer("packed", packed.flatten())
+                    self.register_buffer("absmax", absmax.flatten())
+                    self.shape, self.scale = tuple(shape), alpha / rank
+                    self.A = torch.nn.Parameter(torch.randn(rank, shape[1]))
+                    self.B = torch.nn.Parameter(torch.zeros(shape[0], rank))
+
+                def forward(self, x):
+                    codes = torch.stack([self.packed >> 4, self.packed & 0xF], dim=-1).flatten().long()
+                    w = (NF4[codes].reshape(-1, BLOCK) * self.absmax[:, None]).reshape(self.shape)
+                    return x @ w.T + (x @ self.A.T @ self.B.T) * self.scale
+            """),
     ],
     "07": [
         ("07-ex1", "each block hashed alone, without the hash before it", """
@@ -1273,6 +1742,26 @@ WRONG = {
                         table[i] = fresh
                 return length + 1
             """),
+        ("07-ex2", "a request needing no new block admitted NOW even when fewer blocks than the watermark are free", """
+            def admission(free_blocks, total_blocks, need, watermark_blocks):
+                \"\"\"NOW, LATER or NEVER for a request needing `need` new blocks, keeping `watermark_blocks` free.\"\"\"
+                if need == 0:
+                    return NOW
+                if total_blocks - need < watermark_blocks:
+                    return NEVER
+                if free_blocks - need >= watermark_blocks:
+                    return NOW
+                return LATER
+            """),
+        ("07-ex3", "blocks taken straight off the free list keep reference count 0: the pool thinks they are free to share or free", """
+            def my_append(allocator, table, length, count):
+                need = -(-(length + count) // allocator.block_size) - len(table)
+                if need > len(allocator.free_list):
+                    raise OutOfBlocks("out")
+                for _ in range(need):
+                    table.append(allocator.free_list.pop())
+                return length + count
+            """),
     ],
     "08": [
         ("08-ex1", "the running sum and accumulator not rescaled when the maximum grows", """
@@ -1429,6 +1918,94 @@ WRONG = {
             def combine(o_parts, lse_parts):
                 return (torch.exp(lse_parts - lse_parts.logsumexp(-1, keepdim=True))[..., None] * o_parts).sum(-2)
             """),
+        ("08-ex1", "the running max started at 0 instead of -inf: NaN once every score of a row is below about -104 (issue 37 reader)", """
+            def tiled_causal(q, k, v, block=64):
+                N, scale = q.shape[-2], 1 / math.sqrt(q.shape[-1])
+                out = torch.empty(q.shape, device=q.device)
+                for i in range(0, N, block):
+                    qi, rows = q[..., i:i + block, :].float(), torch.arange(i, min(i + block, N), device=q.device)
+                    m = torch.zeros(qi.shape[:-1], device=q.device)
+                    l = torch.zeros(qi.shape[:-1], device=q.device)
+                    acc = torch.zeros(qi.shape, device=q.device)
+                    for j in range(0, i + block, block):
+                        kb, vb = k[..., j:j + block, :].float(), v[..., j:j + block, :].float()
+                        s = (qi @ kb.transpose(-1, -2)) * scale
+                        cols = torch.arange(j, j + kb.shape[-2], device=q.device)
+                        s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+                        m_new = torch.maximum(m, s.amax(-1))
+                        p = torch.exp(s - m_new[..., None])
+                        alpha = torch.exp(m - m_new)
+                        l, acc, m = l * alpha + p.sum(-1), acc * alpha[..., None] + p @ vb, m_new
+                    out[..., i:i + block, :] = acc / l[..., None]
+                return out.to(q.dtype)
+            """),
+        ("08-ex1", "two key tiles' scores joined into a block x 2 block strip before each update: an operation wider than a tile (passed at block = 32 = d / 2; issue 37 reader)", """
+            def tiled_causal(q, k, v, block=64):
+                N, scale = q.shape[-2], 1 / math.sqrt(q.shape[-1])
+                out = torch.empty(q.shape, device=q.device)
+                for i in range(0, N, block):
+                    qi, rows = q[..., i:i + block, :].float(), torch.arange(i, min(i + block, N), device=q.device)
+                    m = torch.full(qi.shape[:-1], float("-inf"), device=q.device)
+                    l = torch.zeros(qi.shape[:-1], device=q.device)
+                    acc = torch.zeros(qi.shape, device=q.device)
+                    for j in range(0, i + block, 2 * block):
+                        starts = [jj for jj in (j, j + block) if jj < min(i + block, N)]
+                        tiles = []
+                        for jj in starts:
+                            s = (qi @ k[..., jj:jj + block, :].float().transpose(-1, -2)) * scale
+                            cols = torch.arange(jj, min(jj + block, N), device=q.device)
+                            tiles.append(s.masked_fill(cols[None, :] > rows[:, None], float("-inf")))
+                        s = torch.cat(tiles, -1)
+                        m_new = torch.maximum(m, s.amax(-1))
+                        p = torch.exp(s - m_new[..., None])
+                        alpha = torch.exp(m - m_new)
+                        pv = sum(p[..., n * block:(n + 1) * block] @ v[..., jj:jj + block, :].float() for n, jj in enumerate(starts))
+                        l, acc, m = l * alpha + p.sum(-1), acc * alpha[..., None] + pv, m_new
+                    out[..., i:i + block, :] = acc / l[..., None]
+                return out.to(q.dtype)
+            """),
+        ("08-ex2", "P = exp(S) / exp(lse): reads the saved log-sum-exp, but exp(S) overflows fp32 once a score passes ~88 (issue 37 reader)", """
+            def attention_backward(q, k, v, o, lse, do):
+                scale = 1 / math.sqrt(q.shape[-1])
+                p = torch.exp(q @ k.transpose(-1, -2) * scale) / torch.exp(lse)[..., None]
+                dv = p.transpose(-1, -2) @ do
+                dp = do @ v.transpose(-1, -2)
+                ds = p * (dp - (do * o).sum(-1, keepdim=True))
+                return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, dv
+            """),
+        ("08-ex3", "weights shifted by the first split's log-sum-exp, not the largest: inf once another split's is ~88 above it (issue 37 reader)", """
+            def combine(o_parts, lse_parts):
+                top = lse_parts[..., :1]
+                weights = torch.exp(lse_parts - top)
+                return (weights[..., None] * o_parts).sum(-2) / weights.sum(-1)[..., None]
+            """),
+        ("08-ex3", "weights shifted by the mean log-sum-exp, not the largest: inf once one split's is ~88 above the mean (issue 37 reader)", """
+            def combine(o_parts, lse_parts):
+                top = lse_parts.mean(-1, keepdim=True)
+                weights = torch.exp(lse_parts - top)
+                return (weights[..., None] * o_parts).sum(-2) / weights.sum(-1)[..., None]
+            """),
+        ("08-ex1", "key tiles up to one past the diagonal: range(0, min(i + block + 1, N), block) computes a masked tile per query tile (issue 37 reader)", """
+            def tiled_causal(q, k, v, block=64):
+                N, scale = q.shape[-2], 1 / math.sqrt(q.shape[-1])
+                out = torch.empty(q.shape, device=q.device)
+                for i in range(0, N, block):
+                    qi, rows = q[..., i:i + block, :].float(), torch.arange(i, min(i + block, N), device=q.device)
+                    m = torch.full(qi.shape[:-1], float("-inf"), device=q.device)
+                    l = torch.zeros(qi.shape[:-1], device=q.device)
+                    acc = torch.zeros(qi.shape, device=q.device)
+                    for j in range(0, min(i + block + 1, N), block):
+                        kb, vb = k[..., j:j + block, :].float(), v[..., j:j + block, :].float()
+                        s = (qi @ kb.transpose(-1, -2)) * scale
+                        cols = torch.arange(j, j + kb.shape[-2], device=q.device)
+                        s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+                        m_new = torch.maximum(m, s.amax(-1))
+                        p = torch.exp(s - m_new[..., None])
+                        alpha = torch.exp(m - m_new)
+                        l, acc, m = l * alpha + p.sum(-1), acc * alpha[..., None] + p @ vb, m_new
+                    out[..., i:i + block, :] = acc / l[..., None]
+                return out.to(q.dtype)
+            """),
     ],
     "09": [
         ("09-ex1", "the bias added by every rank before the all-reduce", """
@@ -1543,6 +2120,60 @@ WRONG = {
                     order += [("B", c) for c in range(m - warm, m)]
                     orders.append(order)
                 return orders
+            """),
+        ("09-ex1", "round-robin shards: rank r takes features r, r + world, r + 2 world, ... (same shard sizes, same sum, but not the contiguous slice the column-parallel layer before it hands each rank; reader)", """
+            def row_parallel(x, weight, bias, world):
+                partials = [x[..., r::world] @ weight[:, r::world].T for r in range(world)]
+                y = sum(partials)
+                return y if bias is None else y + bias
+            """),
+        ("09-ex1", "the remainder to the last ranks: the last n % world shards one feature longer", """
+            def row_parallel(x, weight, bias, world):
+                n = weight.shape[1]
+                sizes = [n // world + (r >= world - n % world) for r in range(world)]
+                bounds = [sum(sizes[:r]) for r in range(world + 1)]
+                return sum(x[..., a:b] @ weight[:, a:b].T for a, b in zip(bounds, bounds[1:])) + bias
+            """),
+        ("09-ex2", "the closed form with ceil, in exact fractions: m where the bubble equals the target, not below it", """
+            import math
+            def smallest_microbatches(p, target):
+                return max(1, math.ceil(Fraction(p - 1) * (1 - target) / target))
+            """),
+        ("09-ex2", "the bubble with p, not p - 1, stages of fill and drain", """
+            def smallest_microbatches(p, target):
+                m = 1
+                while Fraction(p, m + p) >= target:
+                    m += 1
+                return m
+            """),
+        ("09-ex4", "a warm-up of p - 1 - s forwards not capped at m: chunks that do not exist when m < p", """
+            def one_f_one_b_order(p, m):
+                orders = []
+                for s in range(p):
+                    warm = p - 1 - s
+                    order = [("F", c) for c in range(warm)]
+                    for c in range(m - warm):
+                        order += [("F", warm + c), ("B", c)]
+                    order += [("B", c) for c in range(max(m - warm, 0), m)]
+                    orders.append(order)
+                return orders
+            """),
+        ("09-ex4", "the steady state backward first: B then F in each pair", """
+            def one_f_one_b_order(p, m):
+                orders = []
+                for s in range(p):
+                    warm = min(p - 1 - s, m)
+                    order = [("F", c) for c in range(warm)]
+                    for c in range(m - warm):
+                        order += [("B", c), ("F", warm + c)]
+                    order += [("B", c) for c in range(m - warm, m)]
+                    orders.append(order)
+                return orders
+            """),
+        ("09-ex2", "the closed form in floats: (p - 1) / t rounds below an integer where the exact answer is one more", """
+            def smallest_microbatches(p, target):
+                t = float(target)
+                return int((p - 1) / t - (p - 1)) + 1
             """),
     ],
     "10": [
@@ -1738,6 +2369,107 @@ WRONG = {
             def zero1_step(master, opt, grads, rank):
                 return master
             """),
+        ("10-ex3", "pack keyed on t.data_ptr(), not the storage's: a view at a non-zero offset (w[1:]) is kept, and the gathered copy with it", """
+            def pack(t):
+                if t.data_ptr() in gathered:
+                    return (tuple(t.shape), t.stride(), t.storage_offset())
+                return t
+
+            def unpack(saved):
+                if isinstance(saved, torch.Tensor):
+                    return saved
+                size, stride, offset = saved
+                return gather().as_strided(size, stride, offset)
+            """),
+        ("10-ex3", "a constant note, and unpack hard-codes the transposed weight: right for w.t() only", """
+            def pack(t):
+                if t.untyped_storage().data_ptr() in gathered:
+                    return "W3"
+                return t
+
+            def unpack(saved):
+                if isinstance(saved, torch.Tensor):
+                    return saved
+                return gather().t()
+            """),
+        ("10-ex3", "a note that keeps a bf16 copy of the saved view: half the weight's bytes still held", """
+            def pack(t):
+                if t.untyped_storage().data_ptr() in gathered:
+                    return (t.detach().to(torch.bfloat16), tuple(t.shape), t.stride(), t.storage_offset())
+                return t
+
+            def unpack(saved):
+                if isinstance(saved, torch.Tensor):
+                    return saved
+                _, size, stride, offset = saved
+                return gather().as_strided(size, stride, offset)
+            """),
+        ("10-ex3", "the storage offset dropped: w[1:] comes back as the weight's first 47 rows", """
+            def pack(t):
+                if t.untyped_storage().data_ptr() in gathered:
+                    return (tuple(t.shape), t.stride())
+                return t
+
+            def unpack(saved):
+                if isinstance(saved, torch.Tensor):
+                    return saved
+                size, stride = saved
+                return gather().as_strided(size, stride)
+            """),
+        ("10-ex4", "the optimizer steps a clone of the master: the master returned by zero1_init never moves", """
+            def zero1_init(flat, rank, world, make_optimizer):
+                size = -(-flat.numel() // world)
+                master = torch.zeros(size, dtype=torch.float32)
+                piece = flat.detach()[rank * size:(rank + 1) * size]
+                master[:piece.numel()] = piece
+                return master, make_optimizer([master.clone().requires_grad_()])
+
+            def zero1_step(master, opt, grads, rank):
+                p = opt.param_groups[0]["params"][0]
+                p.grad = my_reduce_scatter(grads, rank).float()
+                opt.step()
+                p.grad = None
+                return p
+            """),
+        ("10-ex3", "the gathered weight told by requires_grad: in a ZeRO-3 engine it requires a gradient, and a saved constant does not", """
+            def pack(t):
+                if not t.requires_grad:
+                    return (tuple(t.shape), t.stride(), t.storage_offset())
+                return t
+
+
+            def unpack(saved):
+                if isinstance(saved, torch.Tensor):
+                    return saved
+                size, stride, offset = saved
+                return gather().as_strided(size, stride, offset)
+            """),
+        ("10-ex3", "the gathered weight told by its storage's size: a constant of the same size is taken for it", """
+            def pack(t):
+                if t.untyped_storage().nbytes() == W3.nbytes:
+                    return (tuple(t.shape), t.stride(), t.storage_offset())
+                return t
+
+
+            def unpack(saved):
+                if isinstance(saved, torch.Tensor):
+                    return saved
+                size, stride, offset = saved
+                return gather().as_strided(size, stride, offset)
+            """),
+        ("10-ex3", "every saved view taken for the gathered weight (t._base is not None): a view of another storage too", """
+            def pack(t):
+                if t._base is not None:
+                    return (tuple(t.shape), t.stride(), t.storage_offset())
+                return t
+
+
+            def unpack(saved):
+                if isinstance(saved, torch.Tensor):
+                    return saved
+                size, stride, offset = saved
+                return gather().as_strided(size, stride, offset)
+            """),
     ],
     "11": [
         ("11-ex1", "every input but the incoming gradient: the weights and the layer's input counted too", """
@@ -1836,6 +2568,178 @@ WRONG = {
                     s = torch.sigmoid(gate)
                     return grad_out * up * s, grad_out * gate * s
             """),
+        ("11-ex3", "no reuse at all: every buffer a slot of its own", """
+            def plan_buffers(buffers):
+                return sum(nbytes for nbytes, _, _ in buffers), list(range(len(buffers)))
+            """),
+        ("11-ex3", "off by one: a slot taken as free at its buffer's last read, while the op still reads it", """
+            def plan_buffers(buffers):
+                sizes, last_read, slots = [], [], []
+                for nbytes, first, last in buffers:
+                    free = [s for s in range(len(sizes)) if last_read[s] <= first and sizes[s] >= nbytes]
+                    if free:
+                        slot = min(free, key=lambda s: (sizes[s], s))
+                    else:
+                        slot = len(sizes)
+                        sizes.append(nbytes)
+                        last_read.append(last)
+                    last_read[slot] = last
+                    slots.append(slot)
+                return sum(sizes), slots
+            """),
+        ("11-ex3", "a free slot reused whatever its size: a buffer written into a slot too small for it", """
+            def plan_buffers(buffers):
+                sizes, last_read, slots = [], [], []
+                for nbytes, first, last in buffers:
+                    free = [s for s in range(len(sizes)) if last_read[s] < first]
+                    if free:
+                        slot = min(free, key=lambda s: (sizes[s], s))
+                    else:
+                        slot = len(sizes)
+                        sizes.append(nbytes)
+                        last_read.append(last)
+                    last_read[slot] = last
+                    slots.append(slot)
+                return sum(sizes), slots
+            """),
+        ("11-ex3", "a free slot grown to fit the buffer: slots do not keep their size", """
+            def plan_buffers(buffers):
+                sizes, last_read, slots = [], [], []
+                for nbytes, first, last in buffers:
+                    free = [s for s in range(len(sizes)) if last_read[s] < first]
+                    if free:
+                        slot = min(free, key=lambda s: (abs(sizes[s] - nbytes), s))
+                        sizes[slot] = max(sizes[slot], nbytes)
+                    else:
+                        slot = len(sizes)
+                        sizes.append(nbytes)
+                        last_read.append(last)
+                    last_read[slot] = last
+                    slots.append(slot)
+                return sum(sizes), slots
+            """),
+        ("11-ex3", "first fit: the lowest-numbered free slot that fits, not the smallest", """
+            def plan_buffers(buffers):
+                sizes, last_read, slots = [], [], []
+                for nbytes, first, last in buffers:
+                    free = [s for s in range(len(sizes)) if last_read[s] < first and sizes[s] >= nbytes]
+                    if free:
+                        slot = free[0]
+                    else:
+                        slot = len(sizes)
+                        sizes.append(nbytes)
+                        last_read.append(last)
+                    last_read[slot] = last
+                    slots.append(slot)
+                return sum(sizes), slots
+            """),
+        ("11-ex3", "only a free slot of exactly the buffer's size reused (Inductor's run-time rule), not a larger one", """
+            def plan_buffers(buffers):
+                sizes, last_read, slots = [], [], []
+                for nbytes, first, last in buffers:
+                    free = [s for s in range(len(sizes)) if last_read[s] < first and sizes[s] == nbytes]
+                    if free:
+                        slot = free[0]
+                    else:
+                        slot = len(sizes)
+                        sizes.append(nbytes)
+                        last_read.append(last)
+                    last_read[slot] = last
+                    slots.append(slot)
+                return sum(sizes), slots
+            """),
+        ("11-ex3", "the peak taken as the most bytes live at once, not the bytes the plan's slots reserve", """
+            def plan_buffers(buffers):
+                sizes, last_read, slots = [], [], []
+                for nbytes, first, last in buffers:
+                    free = [s for s in range(len(sizes)) if last_read[s] < first and sizes[s] >= nbytes]
+                    if free:
+                        slot = min(free, key=lambda s: (sizes[s], s))
+                    else:
+                        slot = len(sizes)
+                        sizes.append(nbytes)
+                        last_read.append(last)
+                    last_read[slot] = last
+                    slots.append(slot)
+                steps = range(max(last for _, _, last in buffers) + 1)
+                return max(sum(n for n, f, l in buffers if f <= t <= l) for t in steps), slots
+            """),
+        ("11-ex3", "the largest buffer as the peak, every buffer in slot 0", """
+            def plan_buffers(buffers):
+                return max(nbytes for nbytes, _, _ in buffers), [0] * len(buffers)
+            """),
+        ("11-ex3", "the answer asked of Inductor's own memory planner's module (its LiveRange)", """
+            def plan_buffers(buffers):
+                from torch._inductor.codegen.memory_planning import LiveRange
+                ranges = [LiveRange(first, last + 1) for _, first, last in buffers]
+                apart = lambda a, b: len(a.join(b)) >= len(a) + len(b)
+                sizes, slots = [], []
+                for i, (nbytes, first, last) in enumerate(buffers):
+                    free = [s for s in range(len(sizes)) if all(apart(ranges[j], ranges[i]) for j, t in enumerate(slots) if t == s) and sizes[s] >= nbytes]
+                    slot = min(free, key=lambda s: (sizes[s], s)) if free else len(sizes)
+                    sizes += [nbytes] * (slot == len(sizes))
+                    slots.append(slot)
+                return sum(sizes), slots
+            """),
+        ("11-ex2", "only gate saved, up kept on ctx: one tensor saved", """
+            class SiluMul(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, gate, up):
+                    ctx.save_for_backward(gate)
+                    ctx.up = up
+                    return torch.nn.functional.silu(gate) * up
+
+                @staticmethod
+                def backward(ctx, grad_out):
+                    gate, = ctx.saved_tensors
+                    s = torch.sigmoid(gate)
+                    return grad_out * ctx.up * s * (1 + gate * (1 - s)), grad_out * gate * s
+            """),
+        ("11-ex3", "ties broken by the highest slot number, not the lowest", """
+            def plan_buffers(buffers):
+                sizes, last_read, slots = [], [], []
+                for nbytes, first, last in buffers:
+                    free = [s for s in range(len(sizes)) if last_read[s] < first and sizes[s] >= nbytes]
+                    if free:
+                        slot = min(free, key=lambda s: (sizes[s], -s))
+                    else:
+                        slot = len(sizes)
+                        sizes.append(nbytes)
+                        last_read.append(last)
+                    last_read[slot] = last
+                    slots.append(slot)
+                return sum(sizes), slots
+            """),
+        ("11-ex3", "ties broken by the most recently freed slot (a LIFO free list)", """
+            def plan_buffers(buffers):
+                sizes, last_read, slots = [], [], []
+                for nbytes, first, last in buffers:
+                    free = [s for s in range(len(sizes)) if last_read[s] < first and sizes[s] >= nbytes]
+                    if free:
+                        slot = min(free, key=lambda s: (sizes[s], -last_read[s], s))
+                    else:
+                        slot = len(sizes)
+                        sizes.append(nbytes)
+                        last_read.append(last)
+                    last_read[slot] = last
+                    slots.append(slot)
+                return sum(sizes), slots
+            """),
+        ("11-ex3", "worst fit: the largest free slot that fits", """
+            def plan_buffers(buffers):
+                sizes, last_read, slots = [], [], []
+                for nbytes, first, last in buffers:
+                    free = [s for s in range(len(sizes)) if last_read[s] < first and sizes[s] >= nbytes]
+                    if free:
+                        slot = max(free, key=lambda s: (sizes[s], -s))
+                    else:
+                        slot = len(sizes)
+                        sizes.append(nbytes)
+                        last_read.append(last)
+                    last_read[slot] = last
+                    slots.append(slot)
+                return sum(sizes), slots
+            """),
     ],
     "12": [
         ("12-ex1", "row-major order: group_m ignored", """
@@ -1913,53 +2817,172 @@ WRONG = {
             """),
     ],
     "13": [
-        ("13-ex1", "10 bytes per parameter: the block scales left out", """
-            def states_8bit_adam(params):
-                return 10 * params
+        ("13-ex1", "the block scales (absmax) left out", """
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                total, eight = 0, 0
+                for n in numels:
+                    if n < 4096:
+                        total += 8 * n
+                    else:
+                        total += 2 * n
+                        eight += 1
+                return total + (eight if per_parameter else min(eight, 1)) * 2048
             """),
         ("13-ex1", "the paper's blocks of 2048 values, not bitsandbytes' 256", """
-            def states_8bit_adam(params):
-                return int(params * (2 + 2 + 4 + 2 + 2 * 4 / 2048))
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                total, eight = 0, 0
+                for n in numels:
+                    if n < 4096:
+                        total += 8 * n
+                    else:
+                        total += 2 * n + 8 * -(-n // 2048)
+                        eight += 1
+                return total + (eight if per_parameter else min(eight, 1)) * 2048
             """),
         ("13-ex1", "one scale per block for the two moments together", """
-            def states_8bit_adam(params):
-                return int(params * (2 + 2 + 4 + 2 + 4 / 256))
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                total, eight = 0, 0
+                for n in numels:
+                    if n < 4096:
+                        total += 8 * n
+                    else:
+                        total += 2 * n + 4 * -(-n // 256)
+                        eight += 1
+                return total + (eight if per_parameter else min(eight, 1)) * 2048
             """),
         ("13-ex1", "the scale's 32 bits counted as bytes", """
-            def states_8bit_adam(params):
-                return int(params * (2 + 2 + 4 + 2 + 2 * 32 / 256))
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                total, eight = 0, 0
+                for n in numels:
+                    if n < 4096:
+                        total += 8 * n
+                    else:
+                        total += 2 * n + 2 * 32 * -(-n // 256)
+                        eight += 1
+                return total + (eight if per_parameter else min(eight, 1)) * 2048
             """),
-        ("13-ex1", "no fp32 master weights", """
-            def states_8bit_adam(params):
-                return int(params * (2 + 2 + 2 + 2 * 4 / 256))
+        ("13-ex1", "every tensor quantized: the fp32 state under min_8bit_size left out", """
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                total = sum(2 * n + 8 * -(-n // 256) for n in numels)
+                return total + (len(numels) if per_parameter else 1) * 2048
             """),
-        ("13-ex1", "AdamW's 16 bytes: the 8-bit lever not applied", """
-            def states_8bit_adam(params):
-                return 16 * params
+        ("13-ex1", "AdamW's two fp32 moments: the 8-bit lever not applied", """
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                return 8 * sum(numels)
             """),
-        ("13-ex1", "the 7B model's answer typed in", """
-            def states_8bit_adam(params):
-                return 67_594_731_648
+        ("13-ex1", "the tiny Llama's answer typed in", """
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                return 3_871_744
+            """),
+        ("13-ex1", "2 + 8/256 bytes per value on average: no tensor's rounding, fallback or maps", """
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                return int(sum(numels) * (2 + 8 / 256))
+            """),
+        ("13-ex1", "the last, partial block not counted (floor, not ceiling)", """
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                total, eight = 0, 0
+                for n in numels:
+                    if n < 4096:
+                        total += 8 * n
+                    else:
+                        total += 2 * n + 8 * (n // 256)
+                        eight += 1
+                return total + (eight if per_parameter else min(eight, 1)) * 2048
+            """),
+        ("13-ex1", "a tensor of exactly min_8bit_size values kept in fp32 (<=, not <)", """
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                total, eight = 0, 0
+                for n in numels:
+                    if n <= 4096:
+                        total += 8 * n
+                    else:
+                        total += 2 * n + 8 * -(-n // 256)
+                        eight += 1
+                return total + (eight if per_parameter else min(eight, 1)) * 2048
+            """),
+        ("13-ex1", "the quantization maps once, even with one optimizer per parameter", """
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                total = 2048
+                for n in numels:
+                    total += 8 * n if n < 4096 else 2 * n + 8 * -(-n // 256)
+                return total
+            """),
+        ("13-ex1", "the quantization maps left out", """
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                return sum(8 * n if n < 4096 else 2 * n + 8 * -(-n // 256) for n in numels)
+            """),
+        ("13-ex1", "the maps counted per tensor even with one optimizer", """
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                total = 0
+                for n in numels:
+                    total += 8 * n if n < 4096 else 2 * n + 8 * -(-n // 256) + 2048
+                return total
+            """),
+        ("13-ex1", "maps also for the optimizers of fp32 tensors, which hold none", """
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                total = sum(8 * n if n < 4096 else 2 * n + 8 * -(-n // 256) for n in numels)
+                return total + (len(numels) if per_parameter else 1) * 2048
+            """),
+        ("13-ex1", "one map (1 KiB), not one per moment", """
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                total, eight = 0, 0
+                for n in numels:
+                    if n < 4096:
+                        total += 8 * n
+                    else:
+                        total += 2 * n + 8 * -(-n // 256)
+                        eight += 1
+                return total + (eight if per_parameter else min(eight, 1)) * 1024
             """),
         ("13-ex2", "the spec sheet's bidirectional PCIe figure for one direction", """
             def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
-                return (2 * params * accum + 2 * params) / pcie_bps + 2 * 16 * params / cpu_bps
+                moved = 2 * params * accum + 2 * params
+                return moved, moved / pcie_bps, 2 * 16 * params / cpu_bps
             """),
         ("13-ex2", "the CPU's Adam update left out", """
             def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
-                return (2 * params * accum + 2 * params) / (pcie_bps / 2)
+                moved = 2 * params * accum + 2 * params
+                return moved, moved / (pcie_bps / 2), 0.0
             """),
         ("13-ex2", "the gradients sent once per step, not once per micro-batch", """
             def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
-                return (2 * params + 2 * params) / (pcie_bps / 2) + 2 * 16 * params / cpu_bps
+                moved = 2 * params + 2 * params
+                return moved, moved / (pcie_bps / 2), 2 * 16 * params / cpu_bps
             """),
         ("13-ex2", "the weights brought back every micro-batch, not once per step", """
             def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
-                return (2 * params * accum + 2 * params * accum) / (pcie_bps / 2) + 2 * 16 * params / cpu_bps
+                moved = 2 * params * accum + 2 * params * accum
+                return moved, moved / (pcie_bps / 2), 2 * 16 * params / cpu_bps
             """),
         ("13-ex2", "fp32 gradients and weights over PCIe", """
             def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
-                return (4 * params * accum + 4 * params) / (pcie_bps / 2) + 2 * 16 * params / cpu_bps
+                moved = 4 * params * accum + 4 * params
+                return moved, moved / (pcie_bps / 2), 2 * 16 * params / cpu_bps
+            """),
+        ("13-ex2", "fp32 gradients and weights over the bidirectional figure (the two errors cancel in the sum)", """
+            def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
+                moved = 4 * params * accum + 4 * params
+                return moved, moved / pcie_bps, 2 * 16 * params / cpu_bps
+            """),
+        ("13-ex2", "one number, not the three terms", """
+            def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
+                moved = 2 * params * accum + 2 * params
+                return moved / (pcie_bps / 2) + 2 * 16 * params / cpu_bps
+            """),
+        ("13-ex2", "the CPU reads Adam's 16 bytes but never writes them back", """
+            def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
+                moved = 2 * params * accum + 2 * params
+                return moved, moved / (pcie_bps / 2), 16 * params / cpu_bps
+            """),
+        ("13-ex2", "the L4's PCIe and the planner's CPU speed typed in: the card and CPU arguments ignored", """
+            def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
+                moved = 2 * params * accum + 2 * params
+                return moved, moved / 32e9, 2 * 16 * params / 50e9
+            """),
+        ("13-ex2", "the seconds moved from PCIe to the CPU term: the sum right, the terms wrong", """
+            def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
+                moved = 2 * params * accum + 2 * params
+                return moved, 2 * params * accum / (pcie_bps / 2), 2 * params / (pcie_bps / 2) + 2 * 16 * params / cpu_bps
             """),
         ("13-ex3", "the step after backward: every gradient alive at once", """
             def train_fused(model, batches, lr):
@@ -2183,6 +3206,61 @@ WRONG = {
                     losses.append(loss.item())
                 return losses
             """),
+        ("13-ex3", "AdamW's default learning rate: the lr argument ignored", """
+            def train_fused(model, batches, lr):
+                on = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+                on({"use_reentrant": False})
+                opts = {p: torch.optim.AdamW([p], foreach=False) for p in model.parameters() if p.requires_grad}
+
+                def step(p):
+                    opts[p].step()
+                    opts[p].zero_grad(set_to_none=True)
+
+                hooks = [p.register_post_accumulate_grad_hook(step) for p in opts]
+                losses = []
+                for ids in batches:
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                    loss.backward()
+                    losses.append(loss.item())
+                for hook in hooks:
+                    hook.remove()
+                return losses
+            """),
+        ("13-ex3", "the whole forward checkpointed as ONE segment: nothing kept after forward, the plain peak in backward", """
+            def train_fused(model, batches, lr):
+                from torch.utils.checkpoint import checkpoint
+                opts = {p: torch.optim.AdamW([p], lr=lr, foreach=False) for p in model.parameters() if p.requires_grad}
+                def step(p):
+                    opts[p].step()
+                    opts[p].zero_grad(set_to_none=True)
+                hooks = [p.register_post_accumulate_grad_hook(step) for p in opts]
+                losses = []
+                for ids in batches:
+                    loss = checkpoint(lambda x: model(input_ids=x, labels=x, use_cache=False).loss, ids, use_reentrant=False)
+                    loss.backward()
+                    losses.append(loss.item())
+                for hook in hooks:
+                    hook.remove()
+                return losses
+            """),
+        ("13-ex3", "AdamW with an LLM recipe's betas (0.9, 0.95), not the default the exercise names", """
+            def train_fused(model, batches, lr):
+                on = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+                on({"use_reentrant": False})
+                opts = {p: torch.optim.AdamW([p], lr=lr, betas=(0.9, 0.95), foreach=False) for p in model.parameters() if p.requires_grad}
+                def step(p):
+                    opts[p].step()
+                    opts[p].zero_grad(set_to_none=True)
+                hooks = [p.register_post_accumulate_grad_hook(step) for p in opts]
+                losses = []
+                for ids in batches:
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                    loss.backward()
+                    losses.append(loss.item())
+                for hook in hooks:
+                    hook.remove()
+                return losses
+            """),
     ],
 }
 
@@ -2205,24 +3283,34 @@ def _text(cell):
     return "".join(parts)
 
 
-def _prepared(path):
-    """The answer key with, after each check, (wrong answer, copy of the check) pairs and the solution again."""
+def _prepared(path, bypasses=()):
+    """The answer key with, after each check, (wrong answer, copy of the check) pairs, (bypass, copy of the check,
+    the check without forbid=) triples, and the solution again; cut after the last of them."""
     nb = nbformat.read(path, as_version=4)
-    tries = []                                  # (copied check cell, exercise id, why)
+    tries, refusals = [], []    # (copied check, exercise id, why); (copied check, unguarded check, exercise id, names)
     by_exercise = {}
-    for exercise, why, source in WRONG[path.name[:2]]:
-        by_exercise.setdefault(exercise, []).append((why, source))
+    for exercise, why, source in WRONG.get(path.name[:2], []):
+        by_exercise.setdefault(exercise, []).append(("wrong", why, source))
+    for exercise, names, source in bypasses:
+        by_exercise.setdefault(exercise, []).append(("bypass", names, source))
     tail = None                                 # the last cell added, wherever later insertions put it
     for exercise, answers in by_exercise.items():
         solution = nb.cells[_cell_index(nb, f"{exercise}-solution")]
         check = nb.cells[_cell_index(nb, f"{exercise}-check")]
+        assert "lk.exercise(" in check.source, f"{path.name} {exercise}-check does not call lk.exercise"
         at = next(i for i, c in enumerate(nb.cells) if c is check) + 1
         added = []
-        for why, source in answers:
+        for kind, why, source in answers:
             copy = nbformat.v4.new_code_cell(check.source)
             copy.metadata["tags"] = ["raises-exception"]
             added += [nbformat.v4.new_code_cell(textwrap.dedent(source).strip()), copy]
-            tries.append((copy, exercise, why))
+            if kind == "wrong":
+                tries.append((copy, exercise, why))
+            else:
+                control = nbformat.v4.new_code_cell(UNGUARDED + check.source.replace("lk.exercise(", "_unguarded("))
+                control.metadata["tags"] = ["raises-exception"]
+                added.append(control)
+                refusals.append((copy, control, exercise, why))
         added.append(nbformat.v4.new_code_cell(solution.source))       # the answer key again for what follows
         nb.cells[at:at] = added
         if tail is None or at > next(i for i, c in enumerate(nb.cells) if c is tail):
@@ -2232,13 +3320,32 @@ def _prepared(path):
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
             cell.metadata.pop("nbgrader", None)
-    return nb, tries
+    return nb, tries, refusals
 
 
-@pytest.mark.parametrize("number", sorted(WRONG))
-def test_every_exercise_check_refuses_the_plausible_wrong_answers(number):
+def _refused_as_calling(copy, control, exercise, names):
+    """What is wrong with a bypass's outcome: it passed the guarded check, failed without forbid=, or was
+    refused for another reason ("" when it was refused as it must be)."""
+    n = int(exercise.split("ex")[1])
+    where = f"{exercise} (bypass naming {names[0]})"
+    refused, unguarded = _text(copy), _text(control)
+    if f"Exercise {n}: passed" not in unguarded:
+        return (f"{where}: the bypass does not answer the exercise even without forbid=, so it proves nothing "
+                f"(update it to the notebook's check):\n{unguarded[-2000:]}")
+    errors = [o for o in copy.outputs if o.output_type == "error"]
+    if not errors:
+        return f"{where}: the check ACCEPTED an answer that calls the taught code:\n{refused[-2000:]}"
+    if errors[0].ename != "AssertionError" or "your answer calls" not in errors[0].evalue:
+        return f"{where}: the check failed, but not by refusing the call:\n{refused[-2000:]}"
+    if not any(name in errors[0].evalue for name in names):
+        return f"{where}: refused naming another call: {errors[0].evalue}"
+    return ""
+
+
+@pytest.mark.parametrize("number", sorted(set(WRONG) | set(BYPASSES)))
+def test_every_exercise_check_refuses_the_wrong_answers_and_the_bypasses(number):
     path = NOTEBOOKS[number]
-    nb, tries = _prepared(path)
+    nb, tries, refusals = _prepared(path, BYPASSES.get(number, ()))
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()   # any other cell's error raises
     accepted = []
@@ -2250,4 +3357,5 @@ def test_every_exercise_check_refuses_the_plausible_wrong_answers(number):
         elif errors[0].ename not in ("AssertionError", "ValueError", "TypeError"):
             accepted.append(f"{exercise} failed on a wrong answer ({why}) by a crash, not a check: "
                             f"{errors[0].ename}: {errors[0].evalue}")
+    accepted += filter(None, (_refused_as_calling(*r) for r in refusals))
     assert not accepted, "\n\n".join(accepted)

@@ -1,22 +1,10 @@
-"""Exercise checks refuse an answer that calls the code the exercise teaches (issue 27's bypasses, each tried).
+"""Answers that call the code an exercise teaches (issue 27's bypasses): the checks must refuse each one.
 
-For every bypass below the notebook runs with the exercise's solution cell replaced by an answer that
-calls the taught code (imported, aliased, held in a default argument, reached through PyTorch's private
-kernels), up to that exercise's check cell; the check must fail with lk.exercise's "your answer calls
-...". Right after it, the same check runs once more with `forbid=` dropped: there the bypass must pass,
-so each one is a real answer that only the guard refuses (a bypass that fails for another reason would
-prove nothing). Cells after the last check are dropped to save time; one kernel per notebook.
+Each answer is a real one (imported, aliased, held in a default argument, reached through PyTorch's private
+kernels) that only the check's `forbid=` stops: `test_wrong_answers.py` runs it through the real check, which
+must fail with lk.exercise's "your answer calls ...", and through the same check with `forbid=` dropped
+(`UNGUARDED`), which must pass (a bypass that fails for another reason would prove nothing).
 """
-import pathlib
-import textwrap
-
-import nbformat
-import pytest
-from nbclient import NotebookClient
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-NOTEBOOKS = {p.name[:2]: p for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
-
 # (exercise id, what the refusal must name (any one of these), the answer that calls the taught code)
 BYPASSES = {
     "00": [
@@ -206,17 +194,18 @@ BYPASSES = {
             """),
     ],
     "13": [
-        ("13-ex1", ["labkit.estimate"], """
-            from labkit.estimate import model_states
+        ("13-ex1", ["labkit.plan.adam8bit_state_bytes", "labkit.plan.levers.adam8bit_state_bytes"], """
+            from labkit.plan import adam8bit_state_bytes
 
-            def states_8bit_adam(params):
-                return sum(model_states(params, dtype="mixed", optimizer="adamw-8bit").values())
+            def my_adam8bit_state_bytes(numels, per_parameter=False):
+                return adam8bit_state_bytes(numels, per_parameter)
             """),
-        ("13-ex2", ["labkit.plan.offload_seconds", "labkit.plan.cost.offload_seconds"], """
-            from labkit.plan import offload_seconds
+        ("13-ex2", ["labkit.plan.offload_bytes", "labkit.plan.cost.offload_bytes"], """
+            from labkit.plan import CPU_GBPS, host_seconds, offload_bytes
 
             def my_offload_seconds(params, accum, pcie_bps, cpu_bps):
-                return offload_seconds(2 * params, "optimizer", accum, params, {"pcie_bps": pcie_bps})
+                moved = offload_bytes(2 * params, "optimizer", accum)
+                return moved, host_seconds(moved, {"pcie_bps": pcie_bps}), 2 * 16 * params / cpu_bps
             """),
     ],
 }
@@ -230,68 +219,3 @@ def _unguarded(number, task, forbid=()):        # the same check, its forbid= dr
     with _labkit.exercise(number, task):
         yield
 '''
-
-
-def _cell_index(nb, grade_id):
-    found = [i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id]
-    assert len(found) == 1, f"expected one cell with nbgrader grade_id {grade_id!r}, found {len(found)}"
-    return found[0]
-
-
-def _at(nb, cell):
-    return next(i for i, c in enumerate(nb.cells) if c is cell)
-
-
-def _text(cell):
-    parts = []
-    for o in cell.get("outputs", []):
-        if o.output_type == "stream":
-            parts.append(o.text)
-        elif o.output_type == "error":
-            parts.append(f"{o.ename}: {o.evalue}")
-        elif "text/plain" in o.get("data", {}):
-            parts.append(o.data["text/plain"])
-    return "".join(parts)
-
-
-def _prepared(path):
-    """The notebook with every bypass in place, a check without forbid= after each check, cut after the last."""
-    nb = nbformat.read(path, as_version=4)
-    checks = []                 # (check cell, its index, control cell, exercise number, names the refusal may give)
-    for exercise, names, source in BYPASSES[path.name[:2]]:
-        solution = nb.cells[_cell_index(nb, f"{exercise}-solution")]
-        check = nb.cells[_cell_index(nb, f"{exercise}-check")]
-        solution.source = textwrap.dedent(source).strip()
-        assert "lk.exercise(" in check.source, f"{path.name} {exercise}-check does not call lk.exercise"
-        control = nbformat.v4.new_code_cell(UNGUARDED + check.source.replace("lk.exercise(", "_unguarded("))
-        for cell in (check, control):                   # nbclient: these may raise; the test reads their outputs
-            cell.metadata.setdefault("tags", []).append("raises-exception")
-        checks.append((check, _at(nb, check), control, int(exercise.split("ex")[1]), names))
-    for check, _, control, _, _ in checks:
-        nb.cells.insert(_at(nb, check) + 1, control)
-    last = max(_at(nb, control) for _, _, control, _, _ in checks)
-    del nb.cells[last + 1:]
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
-    return nb, checks
-
-
-@pytest.mark.parametrize("number", sorted(BYPASSES))
-def test_every_exercise_check_refuses_an_answer_that_calls_the_taught_code(number):
-    path = NOTEBOOKS[number]
-    nb, checks = _prepared(path)
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()   # any other cell's error raises
-    for check, index, control, n, names in checks:
-        where = f"{path.name} cell [{index}] ({check.metadata['nbgrader']['grade_id']})"
-        refused, unguarded = _text(check), _text(control)
-        assert f"Exercise {n}: passed" in unguarded, (
-            f"{where}: the bypass does not answer the exercise even without forbid=, so it proves nothing "
-            f"(update the bypass to the notebook's check):\n{unguarded[-2000:]}")
-        errors = [o for o in check.outputs if o.output_type == "error"]
-        assert errors, f"{where}: the check ACCEPTED an answer that calls the taught code:\n{refused[-2000:]}"
-        error = errors[0]
-        assert error.ename == "AssertionError" and "your answer calls" in error.evalue, (
-            f"{where}: the check failed, but not by refusing the call:\n{refused[-2000:]}")
-        assert any(name in error.evalue for name in names), f"{where}: refused naming another call: {error.evalue}"

@@ -2457,6 +2457,36 @@ WRONG = {
                 size, stride, offset = saved
                 return gather().as_strided(size, stride, offset)
             """),
+        ("10-ex3", "backward's gathered copy cached in a global and never dropped: a full copy stays alive after backward", """
+            _cache = []
+
+            def pack(t):
+                if t.untyped_storage().data_ptr() in gathered:
+                    return (tuple(t.shape), t.stride(), t.storage_offset())
+                return t
+
+
+            def unpack(saved):
+                if isinstance(saved, torch.Tensor):
+                    return saved
+                if not _cache:
+                    _cache.append(gather())
+                size, stride, offset = saved
+                return _cache[0].as_strided(size, stride, offset)
+            """),
+        ("10-ex3", "a meta tensor as the note, unpacked to a view of the global W3: right values, but nothing gathered again is used", """
+            def pack(t):
+                if t.untyped_storage().data_ptr() in gathered:
+                    return torch.empty_strided(t.shape, t.stride(), device="meta")
+                return t
+
+
+            def unpack(saved):
+                if saved.device.type != "meta":
+                    return saved
+                gather()
+                return W3.as_strided(saved.shape, saved.stride(), 0 if saved.stride() == (1, 64) else 64)
+            """),
         ("10-ex3", "every saved view taken for the gathered weight (t._base is not None): a view of another storage too", """
             def pack(t):
                 if t._base is not None:
